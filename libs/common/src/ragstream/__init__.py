@@ -1,0 +1,3 @@
+"""ragstream: sync knowledge sources into PostgreSQL + pgvector and serve hybrid retrieval."""
+
+__all__: list[str] = []

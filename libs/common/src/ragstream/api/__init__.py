@@ -1,0 +1,1 @@
+"""HTTP API of the retriever, also served by the embedded runner."""

@@ -1,0 +1,136 @@
+"""The ``ragstream`` command: embedded mode (up), folder sync (ingest) and search."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ragstream.connectors.folder import FolderConnector
+from ragstream.pipeline import SyncProgress, SyncReport
+from ragstream.retrieval import SearchRequest
+from ragstream.runtime import Runtime, open_runtime, resolve_database
+from ragstream.settings import Settings
+
+__all__ = ["app"]
+
+app = typer.Typer(help="ragstream: sync knowledge into PostgreSQL + pgvector and search it.", no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _run(main: Callable[[Runtime], object]) -> object:
+    async def runner() -> object:
+        settings = Settings()
+        async with resolve_database(settings) as dsn, open_runtime(settings, dsn) as runtime:
+            result = main(runtime)
+            return await result if asyncio.iscoroutine(result) else result
+
+    return asyncio.run(runner())
+
+
+def _report(report: SyncReport, source: str) -> None:
+    p = report.progress
+    console.print(
+        f"[bold]{source}[/]: {p.listed} listed, {p.unchanged} unchanged, {p.indexed} indexed "
+        f"({p.chunks} chunks), {p.deleted} deleted, {len(report.failures)} failed"
+    )
+    if report.failures:
+        table = Table("document", "step", "reason", title="Documents that did not index")
+        for failure in report.failures:
+            table.add_row(failure.source, failure.step, f"{failure.code}: {failure.message}")
+        console.print(table)
+
+
+async def _sync_folder(
+    runtime: Runtime, folder: Path, observe: Callable[[str, SyncProgress], None] | None = None
+) -> SyncReport:
+    """Sync with a progress bar; ``observe`` also receives every update (the API's live progress)."""
+    connector = FolderConnector(folder)
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:.1f} docs/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(f"sync {connector.name}", total=None, rate=0.0)
+
+        def show(progress: SyncProgress) -> None:
+            bar.update(
+                task,
+                total=progress.listed if progress.listing_done or progress.listed else None,
+                completed=progress.done,
+                rate=progress.rate,
+            )
+            if observe is not None:
+                observe(connector.connection_id, progress)
+
+        report = await runtime.pipeline().sync(connector, show)
+    _report(report, str(folder))
+    return report
+
+
+@app.command()
+def ingest(path: Annotated[Path, typer.Argument(help="Folder of md, txt and html files", exists=True, file_okay=False)]) -> None:
+    """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed."""
+    report = _run(lambda runtime: _sync_folder(runtime, path))
+    assert isinstance(report, SyncReport)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
+def search(
+    query: Annotated[str | None, typer.Argument(help="What to look for")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", min=1, max=30)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (JSONL with --batch)")] = False,
+    batch: Annotated[Path | None, typer.Option("--batch", help='JSONL file of {"id", "query"}', exists=True)] = None,
+) -> None:
+    """Hybrid search over everything indexed."""
+    if (query is None) == (batch is None):
+        raise typer.BadParameter("give either QUERY or --batch FILE")
+
+    async def run(runtime: Runtime) -> None:
+        if batch is not None:
+            for line in batch.read_text(encoding="utf-8").splitlines():
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                response = await runtime.retriever.search(SearchRequest(query=item["query"], top_k=top_k))
+                results = [result.model_dump() for result in response.results]
+                sys.stdout.write(json.dumps({"id": item["id"], "results": results}, ensure_ascii=False) + "\n")
+            return
+        assert query is not None
+        response = await runtime.retriever.search(SearchRequest(query=query, top_k=top_k))
+        if as_json:
+            sys.stdout.write(response.model_dump_json(indent=2) + "\n")
+            return
+        for result in response.results:
+            console.print(f"[bold][{result.citation_index}] {result.title}[/] — {result.source} § {result.heading}")
+            console.print(result.text[:300].replace("\n", " "), highlight=False)
+            console.print()
+
+    _run(run)
+
+
+@app.command()
+def up(
+    source: Annotated[list[Path] | None, typer.Option("--source", help="Folder to sync (repeatable)")] = None,
+    port: Annotated[int, typer.Option("--port")] = 8080,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    sync_interval: Annotated[float, typer.Option("--sync-interval", help="Seconds between syncs; 0 syncs once")] = 3600,
+) -> None:
+    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process."""
+    from ragstream.embedded import serve
+
+    _run(lambda runtime: serve(runtime, [path.resolve() for path in source or []], host, port, sync_interval, _sync_folder))

@@ -1,0 +1,1 @@
+"""Connectors bring documents in from where teams keep them: one module per platform."""

@@ -1,0 +1,46 @@
+"""The contract every connector implements: a cheap listing, full text on demand, deletions by omission.
+
+A sync compares the listing with what is committed: items whose cheap ``source_version`` or content
+hash is unchanged are skipped, and committed documents missing from a complete listing are deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["Connector", "DocumentVanished", "SourceItem"]
+
+
+class DocumentVanished(Exception):
+    """The item was listed but is gone when fetched (deleted mid-sync); it counts as deleted."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceItem:
+    external_id: str
+    title: str
+    source: str
+    media_type: str
+    source_version: str | None = None
+    size: int | None = None
+
+
+class Connector(Protocol):
+    @property
+    def connection_id(self) -> str: ...
+
+    @property
+    def platform(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def list_items(self) -> AsyncIterator[SourceItem]:
+        """Every document at the origin, with version info that costs nothing to read."""
+        ...
+
+    async def fetch(self, item: SourceItem) -> bytes:
+        """The raw content of one listed item; raises ``DocumentVanished`` if it is gone."""
+        ...

@@ -1,0 +1,48 @@
+"""``ragstream up``: the HTTP API and periodic folder syncs sharing one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import uvicorn
+
+from ragstream.api.http import create_app
+from ragstream.pipeline import SyncProgress, SyncReport
+from ragstream.runtime import Runtime
+
+__all__ = ["serve"]
+
+
+async def serve(
+    runtime: Runtime,
+    sources: list[Path],
+    host: str,
+    port: int,
+    sync_interval: float,
+    sync_folder: Callable[[Runtime, Path, Callable[[str, SyncProgress], None]], Awaitable[SyncReport]],
+) -> None:
+    progress: dict[str, SyncProgress] = {}
+
+    async def ready() -> bool:
+        return bool(await runtime.pool.fetchval("SELECT true"))
+
+    async def keep_synced() -> None:
+        while True:
+            for folder in sources:
+                await sync_folder(runtime, folder, progress.__setitem__)
+            if sync_interval <= 0:
+                return
+            await asyncio.sleep(sync_interval)
+
+    app = create_app(lambda: runtime.retriever, ready=ready, sync_progress=lambda: progress, title="ragstream")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    syncing = asyncio.create_task(keep_synced())
+    try:
+        await server.serve()
+    finally:
+        syncing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await syncing

@@ -1,0 +1,46 @@
+"""The embedder contract every provider implements, so stages never know which one runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["EmbeddingError", "Embedder", "TextKind", "Vectors"]
+
+TextKind = Literal["document", "query"]
+Vectors = npt.NDArray[np.float32]
+
+
+class EmbeddingError(Exception):
+    """An embedding request failed; ``retryable`` tells the caller whether to try again later."""
+
+    def __init__(self, message: str, *, retryable: bool, provider: str) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.provider = provider
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Turns texts into L2-normalised float32 vectors of a fixed dimension.
+
+    ``model_key`` names the vector space (model + dimension): vectors with different keys live in
+    different tables, so two models can be indexed side by side while one replaces the other.
+    """
+
+    @property
+    def model_key(self) -> str: ...
+
+    @property
+    def dimension(self) -> int: ...
+
+    async def warm_up(self) -> None: ...
+
+    async def embed(self, texts: Sequence[str], kind: TextKind = "document") -> Vectors:
+        """Return an array of shape ``(len(texts), dimension)``; raise ``EmbeddingError`` on failure."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,151 @@
+"""Payloads of every Kafka topic, defined once so producers and consumers import the same model.
+
+Each topic is keyed by ``document_id`` so that all events of one document stay ordered on one
+partition. Content travels by reference (a staging row) and chunks travel in bounded batches, so no
+message comes near Kafka's 1 MB default; vectors travel as packed little-endian float32.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragstream.embedding.base import Vectors
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ChunkPayload",
+    "ChunksEmbedded",
+    "DocumentChanged",
+    "DocumentChunked",
+    "DocumentDeleted",
+    "DocumentHeader",
+    "DocumentIndexed",
+    "IndexOutcome",
+    "Topic",
+    "pack_vectors",
+    "unpack_vectors",
+]
+
+SCHEMA_VERSION = 1
+
+
+class Topic(StrEnum):
+    """Topic names; ``doc.changed`` is log-compacted so a replay rebuilds every index."""
+
+    DOC_CHANGED = "doc.changed"
+    DOC_DELETED = "doc.deleted"
+    DOC_CHUNKED = "doc.chunked"
+    CHUNK_EMBEDDED = "chunk.embedded"
+    INDEXED = "indexed"
+    DEAD_LETTER = "doc.dead-letter"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    schema_version: Annotated[
+        int, Field(title="Schema version", description="Bumped on incompatible payload changes.")
+    ] = SCHEMA_VERSION
+
+
+class DocumentHeader(BaseModel):
+    """What every stage needs to know about a document, small enough to repeat in each message."""
+
+    model_config = ConfigDict(frozen=True)
+
+    document_id: Annotated[str, Field(title="Document id", description="Stable id: hash of connection and external id.")]
+    connection_id: Annotated[str, Field(title="Connection id")]
+    external_id: Annotated[str, Field(title="Id at the origin", description="Relative path for a folder.")]
+    version: Annotated[int, Field(title="Version", description="Monotonic; the indexer keeps only newer versions.")]
+    content_hash: Annotated[str, Field(title="SHA-256 of the raw content")]
+    title: Annotated[str, Field(title="Title")]
+    source: Annotated[str, Field(title="Source", description="Relative path for a folder, else the URL.")]
+    media_type: Annotated[str, Field(title="Media type", description="text/markdown, text/plain or text/html.")]
+    source_version: Annotated[
+        str | None, Field(title="Cheap version at the origin", description="mtime+size, revision, ...")
+    ] = None
+
+
+class DocumentChanged(_Message):
+    """A new or changed document whose raw content is staged in PostgreSQL under ``version``."""
+
+    kind: Literal["changed"] = "changed"
+    header: DocumentHeader
+
+
+class DocumentDeleted(_Message):
+    """A document that disappeared at its origin; ``version`` orders it against earlier changes."""
+
+    kind: Literal["deleted"] = "deleted"
+    document_id: Annotated[str, Field(title="Document id")]
+    connection_id: Annotated[str, Field(title="Connection id")]
+    external_id: Annotated[str, Field(title="Id at the origin")]
+    source: Annotated[str, Field(title="Source")]
+    version: Annotated[int, Field(title="Version of the deletion")]
+
+
+class ChunkPayload(BaseModel):
+    """One chunk of text with the heading path it sits under."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ordinal: Annotated[int, Field(title="Position in the document", ge=0)]
+    heading: Annotated[str, Field(title="Heading path", description="e.g. 'Install > Linux'.")]
+    text: Annotated[str, Field(title="Chunk text")]
+
+
+class DocumentChunked(_Message):
+    """One batch of a document's chunks; ``batch_count`` batches together make the document."""
+
+    header: DocumentHeader
+    batch_index: Annotated[int, Field(title="Batch index", ge=0)]
+    batch_count: Annotated[int, Field(title="Number of batches", ge=1)]
+    chunk_count: Annotated[int, Field(title="Chunks in the whole document", ge=1)]
+    chunks: Annotated[list[ChunkPayload], Field(title="Chunks of this batch")]
+
+
+class ChunksEmbedded(_Message):
+    """A batch of chunks with their vectors, packed as float32 in chunk order."""
+
+    header: DocumentHeader
+    batch_index: Annotated[int, Field(title="Batch index", ge=0)]
+    batch_count: Annotated[int, Field(title="Number of batches", ge=1)]
+    chunk_count: Annotated[int, Field(title="Chunks in the whole document", ge=1)]
+    chunks: Annotated[list[ChunkPayload], Field(title="Chunks of this batch")]
+    model_key: Annotated[str, Field(title="Embedding space", description="Model and dimension.")]
+    dimension: Annotated[int, Field(title="Vector dimension", ge=1)]
+    vectors: Annotated[bytes, Field(title="Packed vectors", description="little-endian float32, row-major")]
+
+    def vector_array(self) -> Vectors:
+        return unpack_vectors(self.vectors, self.dimension)
+
+
+class IndexOutcome(StrEnum):
+    INDEXED = "indexed"
+    DELETED = "deleted"
+    STALE = "stale"
+
+
+class DocumentIndexed(_Message):
+    """Emitted once a document version (or its deletion) is committed, or found already superseded."""
+
+    document_id: Annotated[str, Field(title="Document id")]
+    connection_id: Annotated[str, Field(title="Connection id")]
+    version: Annotated[int, Field(title="Version")]
+    outcome: Annotated[IndexOutcome, Field(title="Outcome")]
+    chunk_count: Annotated[int, Field(title="Chunks committed")] = 0
+
+
+def pack_vectors(vectors: Vectors) -> bytes:
+    return np.ascontiguousarray(vectors, dtype="<f4").tobytes()
+
+
+def unpack_vectors(data: bytes, dimension: int) -> Vectors:
+    flat = np.frombuffer(data, dtype="<f4")
+    if flat.size % dimension:
+        raise ValueError(f"{flat.size} floats do not split into vectors of {dimension}")
+    return flat.reshape(-1, dimension).astype(np.float32)

@@ -1,0 +1,28 @@
+"""Prometheus metrics shared by every stage, whichever wiring runs it."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = [
+    "CONSUMER_LAG",
+    "DOCUMENTS_FAILED",
+    "MESSAGES_IN",
+    "MESSAGES_OUT",
+    "SEARCH_LATENCY",
+    "STAGE_LATENCY",
+]
+
+MESSAGES_IN = Counter("ragstream_messages_in_total", "Messages consumed", ["stage", "topic"])
+MESSAGES_OUT = Counter("ragstream_messages_out_total", "Messages produced", ["stage", "topic"])
+DOCUMENTS_FAILED = Counter("ragstream_documents_failed_total", "Documents that failed a stage", ["stage", "code"])
+STAGE_LATENCY = Histogram(
+    "ragstream_stage_seconds",
+    "Time to handle one message in a stage",
+    ["stage"],
+    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+CONSUMER_LAG = Gauge("ragstream_consumer_lag", "Messages behind the end of the partition", ["stage", "topic", "partition"])
+SEARCH_LATENCY = Histogram(
+    "ragstream_search_seconds", "Hybrid search latency", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+)

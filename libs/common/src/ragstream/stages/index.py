@@ -1,0 +1,43 @@
+"""Index stage: commit a document's chunks and vectors once all its batches are in, or its deletion."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ragstream.messages import ChunksEmbedded, DocumentDeleted, DocumentIndexed, IndexOutcome
+from ragstream.storage.documents import DocumentStore
+
+__all__ = ["IndexService"]
+
+
+class IndexService:
+    """Idempotent by version: the store ignores anything not newer than what it has committed."""
+
+    def __init__(self, store: DocumentStore) -> None:
+        self._store = store
+
+    async def run(self, message: ChunksEmbedded) -> DocumentIndexed | None:
+        """Commit when this batch completes its document; None while batches are still missing."""
+        batches = [message] if message.batch_count == 1 else await self._store.add_pending_batch(message)
+        if batches is None:
+            return None
+        header = batches[0].header
+        chunks = [chunk for batch in batches for chunk in batch.chunks]
+        vectors = np.vstack([batch.vector_array() for batch in batches])
+        outcome = await self._store.commit_document(header, chunks, vectors, message.model_key)
+        return DocumentIndexed(
+            document_id=header.document_id,
+            connection_id=header.connection_id,
+            version=header.version,
+            outcome=outcome,
+            chunk_count=len(chunks) if outcome is IndexOutcome.INDEXED else 0,
+        )
+
+    async def delete(self, message: DocumentDeleted) -> DocumentIndexed:
+        outcome = await self._store.delete_document(message)
+        return DocumentIndexed(
+            document_id=message.document_id,
+            connection_id=message.connection_id,
+            version=message.version,
+            outcome=outcome,
+        )

@@ -1,0 +1,264 @@
+"""The committed state of every document, and the one transaction that replaces a document's chunks."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from ragstream.embedding.base import Vectors
+from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentDeleted, DocumentHeader, IndexOutcome
+from ragstream.segmentation import segment
+
+__all__ = ["CommittedDocument", "DocumentStore", "Failure", "chunk_id", "document_id"]
+
+
+def document_id(connection_id: str, external_id: str) -> str:
+    """Stable across syncs and processes, so every stage derives the same key for the same file."""
+    return hashlib.sha256(f"{connection_id}\0{external_id}".encode()).hexdigest()[:32]
+
+
+def chunk_id(document_id: str, version: int, ordinal: int) -> str:
+    return hashlib.sha256(f"{document_id}\0{version}\0{ordinal}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedDocument:
+    document_id: str
+    external_id: str
+    source: str
+    content_hash: str
+    source_version: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    document_id: str
+    source: str
+    version: int
+    step: str
+    code: str
+    message: str
+    retryable: bool
+    retry_count: int
+
+
+class DocumentStore:
+    """Everything the pipeline stages read and write in PostgreSQL, behind intention-named methods."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._spaces: dict[str, str] = {}
+
+    async def ensure_connection(self, connection_id: str, platform: str, name: str) -> None:
+        await self._pool.execute(
+            "INSERT INTO connections (id, platform, name) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING",
+            connection_id,
+            platform,
+            name,
+        )
+
+    async def committed(self, connection_id: str) -> dict[str, CommittedDocument]:
+        """Indexed documents of a connection by external id: what a sync compares its listing with."""
+        rows = await self._pool.fetch(
+            "SELECT id, external_id, source, content_hash, source_version FROM documents "
+            "WHERE connection_id = $1 AND status = 'indexed'",
+            connection_id,
+        )
+        return {
+            row["external_id"]: CommittedDocument(
+                row["id"], row["external_id"], row["source"], row["content_hash"], row["source_version"]
+            )
+            for row in rows
+        }
+
+    async def remember_source_version(self, document_id: str, source_version: str | None) -> None:
+        await self._pool.execute("UPDATE documents SET source_version = $2 WHERE id = $1", document_id, source_version)
+
+    async def next_version(self) -> int:
+        return int(await self._pool.fetchval("SELECT nextval('document_versions')"))
+
+    async def stage(self, document_id: str, content: bytes) -> int:
+        """Store raw content durably before announcing it; returns the version that references it."""
+        return int(
+            await self._pool.fetchval(
+                "INSERT INTO staged_documents (version, document_id, content) "
+                "VALUES (nextval('document_versions'), $1, $2) RETURNING version",
+                document_id,
+                content,
+            )
+        )
+
+    async def load_staged(self, version: int) -> bytes | None:
+        content = await self._pool.fetchval("SELECT content FROM staged_documents WHERE version = $1", version)
+        return bytes(content) if content is not None else None
+
+    async def embedding_table(self, model_key: str, dimension: int) -> str:
+        """The table of a vector space, created with its HNSW index the first time the model is seen."""
+        if model_key in self._spaces:
+            return self._spaces[model_key]
+        async with self._pool.acquire() as connection, connection.transaction():
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext('embedding_spaces'))")
+            row = await connection.fetchrow(
+                "SELECT table_name, dimension FROM embedding_spaces WHERE model_key = $1", model_key
+            )
+            if row is None:
+                slug = re.sub(r"[^a-z0-9]+", "_", model_key.lower()).strip("_")[:40]
+                table = f"embeddings_{slug}_{hashlib.sha256(model_key.encode()).hexdigest()[:6]}"
+                await connection.execute(
+                    f"CREATE TABLE {table} (chunk_id text PRIMARY KEY REFERENCES chunks (id) ON DELETE CASCADE,"
+                    f" embedding vector({dimension}) NOT NULL)"
+                )
+                await connection.execute(f"CREATE INDEX {table}_hnsw ON {table} USING hnsw (embedding vector_cosine_ops)")
+                await connection.execute(
+                    "INSERT INTO embedding_spaces (model_key, dimension, table_name) VALUES ($1, $2, $3)",
+                    model_key,
+                    dimension,
+                    table,
+                )
+            elif row["dimension"] != dimension:
+                raise ValueError(f"{model_key} is stored with dimension {row['dimension']}, not {dimension}")
+            else:
+                table = row["table_name"]
+        self._spaces[model_key] = table
+        return table
+
+    async def add_pending_batch(self, message: ChunksEmbedded) -> list[ChunksEmbedded] | None:
+        """Park one batch of a multi-batch document; return all batches once the last has arrived."""
+        header = message.header
+        async with self._pool.acquire() as connection, connection.transaction():
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
+            await connection.execute(
+                "INSERT INTO pending_batches (document_id, version, batch_index, batch_count, payload) "
+                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+                header.document_id,
+                header.version,
+                message.batch_index,
+                message.batch_count,
+                message.model_dump_json().encode(),
+            )
+            rows = await connection.fetch(
+                "SELECT payload FROM pending_batches WHERE document_id = $1 AND version = $2 ORDER BY batch_index",
+                header.document_id,
+                header.version,
+            )
+        if len(rows) < message.batch_count:
+            return None
+        return [ChunksEmbedded.model_validate_json(row["payload"]) for row in rows]
+
+    async def commit_document(
+        self, header: DocumentHeader, chunks: Sequence[ChunkPayload], vectors: Vectors, model_key: str
+    ) -> IndexOutcome:
+        """Upsert the document, replace its chunks and vectors, all in one transaction.
+
+        Nothing changes when the committed version is already as new: redelivered or reordered
+        messages are harmless, and the previous version stays searchable until this one commits.
+        """
+        table = await self.embedding_table(model_key, int(vectors.shape[1]))
+        ids = [chunk_id(header.document_id, header.version, chunk.ordinal) for chunk in chunks]
+        async with self._pool.acquire() as connection, connection.transaction():
+            updated = await connection.fetchval(
+                "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
+                " source_version, version, status, chunk_count, indexed_at)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'indexed', $10, now())"
+                " ON CONFLICT (id) DO UPDATE SET title = EXCLUDED.title, source = EXCLUDED.source,"
+                " media_type = EXCLUDED.media_type, content_hash = EXCLUDED.content_hash,"
+                " source_version = EXCLUDED.source_version, version = EXCLUDED.version, status = 'indexed',"
+                " chunk_count = EXCLUDED.chunk_count, indexed_at = now()"
+                " WHERE documents.version < EXCLUDED.version RETURNING id",
+                header.document_id,
+                header.connection_id,
+                header.external_id,
+                header.title,
+                header.source,
+                header.media_type,
+                header.content_hash,
+                header.source_version,
+                header.version,
+                len(chunks),
+            )
+            if updated is None:
+                return IndexOutcome.STALE
+            await connection.execute("DELETE FROM chunks WHERE document_id = $1", header.document_id)
+            await connection.execute(
+                "INSERT INTO chunks (id, document_id, ordinal, heading, text, search_vector)"
+                " SELECT id, $1, ordinal, heading, text,"
+                " setweight(to_tsvector('english', head), 'A') || to_tsvector('english', body)"
+                " FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[])"
+                " AS t(id, ordinal, heading, text, head, body)",
+                header.document_id,
+                ids,
+                [chunk.ordinal for chunk in chunks],
+                [chunk.heading for chunk in chunks],
+                [chunk.text for chunk in chunks],
+                [segment(f"{header.title} {chunk.heading}") for chunk in chunks],
+                [segment(chunk.text) for chunk in chunks],
+            )
+            await connection.copy_records_to_table(
+                table, records=list(zip(ids, list(vectors), strict=True)), columns=["chunk_id", "embedding"]
+            )
+            await self._forget_older(connection, header.document_id, header.version)
+        return IndexOutcome.INDEXED
+
+    async def delete_document(self, message: DocumentDeleted) -> IndexOutcome:
+        """Replace the document by a tombstone that outranks every older change of it."""
+        async with self._pool.acquire() as connection, connection.transaction():
+            updated = await connection.fetchval(
+                "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
+                " version, status) VALUES ($1, $2, $3, '', $4, '', '', $5, 'deleted')"
+                " ON CONFLICT (id) DO UPDATE SET version = EXCLUDED.version, status = 'deleted', chunk_count = 0,"
+                " indexed_at = now() WHERE documents.version < EXCLUDED.version RETURNING id",
+                message.document_id,
+                message.connection_id,
+                message.external_id,
+                message.source,
+                message.version,
+            )
+            if updated is None:
+                return IndexOutcome.STALE
+            await connection.execute("DELETE FROM chunks WHERE document_id = $1", message.document_id)
+            await self._forget_older(connection, message.document_id, message.version)
+        return IndexOutcome.DELETED
+
+    @staticmethod
+    async def _forget_older(connection: asyncpg.Connection, document_id: str, version: int) -> None:
+        for table in ("pending_batches", "staged_documents", "document_failures"):
+            await connection.execute(f"DELETE FROM {table} WHERE document_id = $1 AND version <= $2", document_id, version)
+
+    async def record_failure(
+        self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool
+    ) -> Failure:
+        """Record why a version did not index; the retry count grows while the same version keeps failing."""
+        row = await self._pool.fetchrow(
+            "INSERT INTO document_failures (document_id, connection_id, source, version, step, code, message, retryable)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+            " ON CONFLICT (document_id) DO UPDATE SET source = EXCLUDED.source, step = EXCLUDED.step,"
+            " code = EXCLUDED.code, message = EXCLUDED.message, retryable = EXCLUDED.retryable, failed_at = now(),"
+            " retry_count = CASE WHEN document_failures.version = EXCLUDED.version"
+            "   THEN document_failures.retry_count + 1 ELSE 0 END, version = EXCLUDED.version"
+            " RETURNING retry_count",
+            header.document_id,
+            header.connection_id,
+            header.source,
+            header.version,
+            step,
+            code,
+            message[:2000],
+            retryable,
+        )
+        assert row is not None
+        return Failure(header.document_id, header.source, header.version, step, code, message, retryable, row["retry_count"])
+
+    async def failures(self, connection_id: str) -> list[Failure]:
+        rows = await self._pool.fetch(
+            "SELECT f.* FROM document_failures f LEFT JOIN documents d ON d.id = f.document_id"
+            " WHERE f.connection_id = $1 AND (d.version IS NULL OR d.version < f.version) ORDER BY f.source",
+            connection_id,
+        )
+        return [
+            Failure(r["document_id"], r["source"], r["version"], r["step"], r["code"], r["message"], r["retryable"], r["retry_count"])
+            for r in rows
+        ]
