@@ -1,0 +1,1 @@
+"""Tests for the embedders in ``ragstream.embedding``."""
