@@ -19,6 +19,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "ChunkPayload",
     "ChunksEmbedded",
+    "DeadLetter",
     "DocumentChanged",
     "DocumentChunked",
     "DocumentDeleted",
@@ -138,6 +139,17 @@ class DocumentIndexed(_Message):
     version: Annotated[int, Field(title="Version")]
     outcome: Annotated[IndexOutcome, Field(title="Outcome")]
     chunk_count: Annotated[int, Field(title="Chunks committed")] = 0
+
+
+class DeadLetter(_Message):
+    """A document version that failed a stage for good; replaying it re-drives the document."""
+
+    header: DocumentHeader
+    step: Annotated[str, Field(title="Stage that failed", description="fetch, chunk, embed or index.")]
+    code: Annotated[str, Field(title="Error code", description="e.g. binary, invalid_utf8, embedding_failed.")]
+    message: Annotated[str, Field(title="Human-readable reason")]
+    retryable: Annotated[bool, Field(title="Whether a later retry may succeed")]
+    retry_count: Annotated[int, Field(title="Failures of this version so far")]
 
 
 def pack_vectors(vectors: Vectors) -> bytes:

@@ -8,9 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragstream.connectors.base import Connector
-from ragstream.embedding.base import EmbeddingError
+from ragstream.failures import classify
 from ragstream.messages import DocumentChanged, DocumentDeleted, IndexOutcome
-from ragstream.parsing import ParseError
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.fetch import FetchService, SyncCounts
@@ -148,16 +147,9 @@ class EmbeddedPipeline:
                 if indexed is not None:
                     progress.chunks += indexed.chunk_count
             return True
-        except ParseError as error:
+        except Exception as error:  # one document's failure must not stop the sync; it is recorded
+            failure = classify(error)
             await self._store.record_failure(
-                message.header, step=step, code=error.code, message=error.message, retryable=False
-            )
-        except EmbeddingError as error:
-            await self._store.record_failure(
-                message.header, step=step, code="embedding_failed", message=str(error), retryable=error.retryable
-            )
-        except Exception as error:  # one document's bug must not stop the sync; it is recorded, not lost
-            await self._store.record_failure(
-                message.header, step=step, code=type(error).__name__, message=str(error), retryable=True
+                message.header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable
             )
         return False

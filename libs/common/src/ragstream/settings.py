@@ -20,7 +20,7 @@ class ChunkingSettings(BaseSettings):
     overlap: Annotated[int, Field(title="Overlap between neighbouring chunks", ge=0)] = 100
     batch_chunks: Annotated[
         int, Field(title="Chunks per Kafka message", description="Keeps messages far below 1 MB.", ge=1)
-    ] = 64
+    ] = 32
 
 
 class EmbeddingSettings(BaseSettings):
@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     kafka_bootstrap_servers: Annotated[
         str, Field(title="Kafka bootstrap servers", validation_alias="KAFKA_BOOTSTRAP_SERVERS")
     ] = "127.0.0.1:9092"
+    kafka_session_timeout_ms: Annotated[
+        int, Field(title="Consumer session timeout", description="A dead consumer's partitions move after this.")
+    ] = 10_000
     max_document_bytes: Annotated[
         int, Field(title="Largest document accepted", description="Bigger ones fail with 'too_large'.")
     ] = 16 * 1024 * 1024

@@ -13,8 +13,8 @@ __all__ = ["ChunkService"]
 class ChunkService:
     """Loads the staged content, parses and chunks it.
 
-    Returns no batches when the staging row is gone: that only happens once a newer version of the
-    document has been committed, so this message is stale and may be dropped. Raises ``ParseError``
+    Returns no batches when this version is already committed or superseded (a redelivery, or a
+    replay that a newer change overtook): the work would be thrown away by the indexer anyway. Raises ``ParseError``
     for a document that can never be indexed as it is.
     """
 
@@ -26,6 +26,8 @@ class ChunkService:
 
     async def run(self, message: DocumentChanged) -> list[DocumentChunked]:
         header = message.header
+        if await self._store.is_superseded(header.document_id, header.version):
+            return []
         content = await self._store.load_staged(header.version)
         if content is None:
             return []

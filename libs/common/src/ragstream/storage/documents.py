@@ -220,13 +220,27 @@ class DocumentStore:
             if updated is None:
                 return IndexOutcome.STALE
             await connection.execute("DELETE FROM chunks WHERE document_id = $1", message.document_id)
-            await self._forget_older(connection, message.document_id, message.version)
+            await self._forget_older(connection, message.document_id, message.version, keep_staged=False)
         return IndexOutcome.DELETED
 
     @staticmethod
-    async def _forget_older(connection: asyncpg.Connection, document_id: str, version: int) -> None:
-        for table in ("pending_batches", "staged_documents", "document_failures"):
+    async def _forget_older(
+        connection: asyncpg.Connection, document_id: str, version: int, *, keep_staged: bool = True
+    ) -> None:
+        """Drop what the committed version supersedes. The committed version's own staged content is
+        kept (unless deleted) so a replay of ``doc.changed`` can rebuild an index from it."""
+        for table in ("pending_batches", "document_failures"):
             await connection.execute(f"DELETE FROM {table} WHERE document_id = $1 AND version <= $2", document_id, version)
+        await connection.execute(
+            f"DELETE FROM staged_documents WHERE document_id = $1 AND version {'<' if keep_staged else '<='} $2",
+            document_id,
+            version,
+        )
+
+    async def is_superseded(self, document_id: str, version: int) -> bool:
+        """True when this version or a newer one is committed: work on it would be thrown away."""
+        committed = await self._pool.fetchval("SELECT version FROM documents WHERE id = $1", document_id)
+        return committed is not None and committed >= version
 
     async def record_failure(
         self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool

@@ -1,0 +1,32 @@
+"""One classification of stage errors, so both wirings record the same codes and retry the same way.
+
+Hierarchy of what a stage may raise::
+
+    ParseError        permanent: the document itself is unreadable (empty, binary, bad UTF-8, ...)
+    EmbeddingError    retryable or not, as the provider said (throttling vs. a rejected input)
+    Exception         anything else: recorded as retryable, the next sync tries again
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragstream.embedding.base import EmbeddingError
+from ragstream.parsing import ParseError
+
+__all__ = ["StageFailure", "classify"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailure:
+    code: str
+    message: str
+    retryable: bool
+
+
+def classify(error: Exception) -> StageFailure:
+    if isinstance(error, ParseError):
+        return StageFailure(error.code, error.message, retryable=False)
+    if isinstance(error, EmbeddingError):
+        return StageFailure("embedding_failed", str(error), retryable=error.retryable)
+    return StageFailure(type(error).__name__, str(error) or repr(error), retryable=True)

@@ -1,0 +1,121 @@
+"""Kafka wiring shared by the services: broker factory, topic layout, and the publishing sink.
+
+Stage logic never imports this module; services wrap stages with it, the embedded runner does not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from faststream import BaseMiddleware
+from faststream.kafka import KafkaBroker
+from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
+from faststream.kafka.prometheus import KafkaPrometheusMiddleware
+from faststream.middlewares import AckPolicy
+from prometheus_client import REGISTRY
+
+from ragstream.messages import DocumentChanged, DocumentDeleted, Topic
+from ragstream.metrics import CONSUMER_LAG, MESSAGES_OUT
+from ragstream.settings import Settings
+
+__all__ = ["KafkaChangeSink", "consumer_options", "create_broker", "ensure_topics", "publish"]
+
+logger = logging.getLogger(__name__)
+
+# doc.changed is compacted: the newest change per document survives forever, so replaying the
+# topic from the start rebuilds an index (a new model, a new chunker) without asking the sources.
+_TOPIC_CONFIGS: dict[Topic, dict[str, str]] = {
+    Topic.DOC_CHANGED: {"cleanup.policy": "compact"},
+    Topic.DOC_DELETED: {"cleanup.policy": "compact"},
+    Topic.DOC_CHUNKED: {"retention.ms": str(7 * 24 * 3600 * 1000)},
+    Topic.CHUNK_EMBEDDED: {"retention.ms": str(7 * 24 * 3600 * 1000)},
+    Topic.INDEXED: {"retention.ms": str(7 * 24 * 3600 * 1000)},
+    Topic.DEAD_LETTER: {"retention.ms": str(30 * 24 * 3600 * 1000)},
+}
+
+
+class ConsumerLagMiddleware(BaseMiddleware):
+    """Exports how far each consumed partition is behind its end, from the consumer's own fetch
+    metadata, so it costs no extra request."""
+
+    async def on_consume(self, msg: Any) -> Any:
+        record = msg.raw_message
+        consumer = getattr(msg, "consumer", None)
+        if isinstance(consumer, AIOKafkaConsumer) and isinstance(record, ConsumerRecord):
+            end = consumer.highwater(TopicPartition(record.topic, record.partition))
+            if end is not None:
+                group = getattr(consumer, "_group_id", None) or "none"
+                CONSUMER_LAG.labels(group, record.topic, str(record.partition)).set(max(0, end - record.offset - 1))
+        return await super().on_consume(msg)
+
+
+def consumer_options(settings: Settings, service: str) -> dict[str, Any]:
+    """Subscriber options every stage uses: its own group, offsets committed only after the handler
+    returned (its output is then acknowledged by Kafka), and redelivery when it raised."""
+    return {
+        "group_id": f"ragstream-{service}",
+        "auto_offset_reset": "earliest",
+        "ack_policy": AckPolicy.NACK_ON_ERROR,
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        "heartbeat_interval_ms": max(500, settings.kafka_session_timeout_ms // 5),
+    }
+
+
+def create_broker(bootstrap_servers: str, service: str) -> KafkaBroker:
+    """A broker whose producer waits for all in-sync replicas and never duplicates on retry, with
+    trace context carried in message headers and Prometheus metrics for every subscriber."""
+    return KafkaBroker(
+        bootstrap_servers,
+        client_id=f"ragstream-{service}",
+        acks="all",
+        enable_idempotence=True,
+        max_request_size=1024 * 1024,
+        middlewares=(
+            ConsumerLagMiddleware,
+            KafkaTelemetryMiddleware(),
+            KafkaPrometheusMiddleware(registry=REGISTRY, app_name=f"ragstream_{service.replace('-', '_')}"),
+        ),
+    )
+
+
+async def ensure_topics(bootstrap_servers: str, partitions: int = 3, replication: int = 1) -> None:
+    """Create the topics with their retention policies; existing topics are left as they are."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [
+            NewTopic(topic.value, partitions, replication, topic_configs=config)
+            for topic, config in _TOPIC_CONFIGS.items()
+            if topic.value not in existing
+        ]
+        if missing:
+            try:
+                await admin.create_topics(missing)
+            except TopicAlreadyExistsError:
+                logger.info("another service created the topics first")
+    finally:
+        await admin.close()
+
+
+async def publish(broker: KafkaBroker, service: str, topic: Topic, message: Any, key: str) -> None:
+    """Publish keyed by document id and wait for the broker's acknowledgement (durable output)."""
+    await broker.publish(message, topic.value, key=key.encode())
+    MESSAGES_OUT.labels(service, topic.value).inc()
+
+
+class KafkaChangeSink:
+    """The fetch stage's output in distributed mode."""
+
+    def __init__(self, broker: KafkaBroker) -> None:
+        self._broker = broker
+
+    async def changed(self, message: DocumentChanged) -> None:
+        await publish(self._broker, "connector-fetcher", Topic.DOC_CHANGED, message, message.header.document_id)
+
+    async def deleted(self, message: DocumentDeleted) -> None:
+        await publish(self._broker, "connector-fetcher", Topic.DOC_DELETED, message, message.document_id)

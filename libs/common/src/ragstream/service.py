@@ -1,0 +1,119 @@
+"""The scaffold every Kafka service shares: lifespan, per-process context, failure routing, probes.
+
+A service module only declares its subscribers (``register`` callback) on typed messages; opening
+the pool, creating topics, starting the broker and serving ``/healthz``, ``/readyz`` and
+``/metrics`` happen here, so the five services cannot drift apart in how they start or fail.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from aiokafka.errors import KafkaError
+from faststream.asgi import AsgiFastStream, AsgiResponse, get, make_ping_asgi
+from faststream.kafka import KafkaBroker
+from prometheus_client import make_asgi_app
+
+from ragstream.failures import classify
+from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
+from ragstream.messages import DeadLetter, DocumentHeader, Topic
+from ragstream.metrics import DOCUMENTS_FAILED
+from ragstream.runtime import Runtime, open_runtime
+from ragstream.settings import Settings
+
+__all__ = ["INFRASTRUCTURE_ERRORS", "ServiceContext", "create_service_app"]
+
+logger = logging.getLogger(__name__)
+
+# Errors of the machinery around a document, not of the document: the message is not acked and is
+# delivered again once PostgreSQL or Kafka is back, instead of being recorded as a failed document.
+INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    KafkaError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceContext:
+    """Per-process singletons handed to handlers through FastStream's context as ``service``."""
+
+    name: str
+    runtime: Runtime
+    broker: KafkaBroker
+
+    async def publish(self, topic: Topic, message: Any, key: str) -> None:
+        await publish(self.broker, self.name, topic, message, key)
+
+    async def fail(self, header: DocumentHeader, step: str, error: Exception) -> None:
+        """Record a document's failure as a row and a dead letter; infrastructure errors propagate."""
+        if isinstance(error, INFRASTRUCTURE_ERRORS):
+            raise error
+        failure = classify(error)
+        recorded = await self.runtime.store.record_failure(
+            header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable
+        )
+        DOCUMENTS_FAILED.labels(step, failure.code).inc()
+        logger.warning("document %s failed at %s: %s", header.source, step, failure.code)
+        dead = DeadLetter(
+            header=header,
+            step=step,
+            code=failure.code,
+            message=failure.message,
+            retryable=failure.retryable,
+            retry_count=recorded.retry_count,
+        )
+        await self.publish(Topic.DEAD_LETTER, dead, header.document_id)
+
+
+def create_service_app(
+    name: str,
+    register: Callable[[KafkaBroker, dict[str, Any]], None],
+    *,
+    routes: Sequence[tuple[str, Any]] = (),
+    settings: Settings | None = None,
+    warm_up_embedder: bool = False,
+) -> AsgiFastStream:
+    """Build the ASGI app of one service: ``uvicorn module:create_app --factory`` serves it."""
+    config = settings or Settings()
+    broker = create_broker(config.kafka_bootstrap_servers, name)
+    register(broker, consumer_options(config, name))
+    ready = {"value": False}
+
+    @asynccontextmanager
+    async def lifespan() -> AsyncIterator[None]:
+        if not config.database_url:
+            raise RuntimeError("DATABASE_URL must be set for a distributed service")
+        await ensure_topics(config.kafka_bootstrap_servers)
+        async with open_runtime(config, config.database_url) as runtime:
+            if warm_up_embedder:
+                await runtime.embedder.warm_up()
+            broker.context.set_global("service", ServiceContext(name, runtime, broker))
+            ready["value"] = True
+            try:
+                yield
+            finally:
+                ready["value"] = False
+
+    @get
+    async def readyz(scope: Any) -> AsgiResponse:
+        return AsgiResponse(b"ready" if ready["value"] else b"starting", status_code=200 if ready["value"] else 503)
+
+    return AsgiFastStream(
+        broker,
+        lifespan=lifespan,
+        asgi_routes=[
+            ("/healthz", make_ping_asgi(broker, timeout=5.0)),
+            ("/readyz", readyz),
+            ("/metrics", make_asgi_app()),
+            *routes,
+        ],
+    )

@@ -1,0 +1,1 @@
+"""chunker service: ``doc.changed`` in, ``doc.chunked`` batches out."""

@@ -1,0 +1,1 @@
+"""connector-fetcher service: syncs sources and announces changes on ``doc.changed`` / ``doc.deleted``."""

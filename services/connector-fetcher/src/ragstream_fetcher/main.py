@@ -1,0 +1,137 @@
+"""connector-fetcher service: an HTTP trigger and a timer that run syncs, publishing to Kafka.
+
+The fetcher is the only stage with no input topic: a sync starts from ``POST /v1/syncs`` or from
+the periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, and ends once every difference between
+the source listing and the committed state has been published (and acknowledged by Kafka).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, HTTPException, Response
+from prometheus_client import make_asgi_app
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ragstream.connectors.folder import FolderConnector
+from ragstream.kafka import KafkaChangeSink, create_broker, ensure_topics
+from ragstream.runtime import Runtime, open_runtime
+from ragstream.settings import Settings
+from ragstream.stages.fetch import FetchService, SyncCounts
+
+__all__ = ["FetcherSettings", "create_app"]
+
+
+class FetcherSettings(BaseSettings):
+    """What only the fetcher reads; everything shared comes from ``Settings``."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_FETCHER_")
+
+    folders: Annotated[list[Path], Field(title="Folders synced on the timer")] = []
+    interval_s: Annotated[float, Field(title="Seconds between timed syncs; 0 disables the timer", ge=0)] = 3600
+
+
+class SyncRequest(BaseModel):
+    path: Annotated[str, Field(title="Folder to sync", description="A path the fetcher can read.")]
+
+
+class SyncStatus(BaseModel):
+    connection_id: str
+    state: Annotated[str, Field(title="syncing, ready or failed")]
+    counts: dict[str, Any]
+    error: str | None = None
+
+
+def create_app() -> FastAPI:
+    settings = Settings()
+    fetcher = FetcherSettings()
+    broker = create_broker(settings.kafka_bootstrap_servers, "connector-fetcher")
+    state: dict[str, Runtime] = {}
+    syncs: dict[str, SyncStatus] = {}
+    running: dict[str, asyncio.Task[None]] = {}
+
+    async def run_sync(connector: FolderConnector) -> None:
+        status = syncs[connector.connection_id]
+
+        async def observe(counts: SyncCounts) -> None:
+            status.counts = asdict(counts) | {"changed_ids": len(counts.changed_ids)}
+
+        try:
+            service = FetchService(
+                state["runtime"].store, connector, max_document_bytes=settings.max_document_bytes, on_item=observe
+            )
+            await observe(await service.run(KafkaChangeSink(broker)))
+            status.state = "ready"
+        except Exception as error:
+            status.state, status.error = "failed", f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            running.pop(connector.connection_id, None)
+
+    def start_sync(folder: Path) -> SyncStatus:
+        connector = FolderConnector(folder)
+        if connector.connection_id in running:
+            raise HTTPException(status_code=409, detail="Sync already in progress")
+        syncs[connector.connection_id] = SyncStatus(connection_id=connector.connection_id, state="syncing", counts={})
+        running[connector.connection_id] = asyncio.create_task(run_sync(connector))
+        return syncs[connector.connection_id]
+
+    async def timer() -> None:
+        while True:
+            for folder in fetcher.folders:
+                with contextlib.suppress(HTTPException):
+                    start_sync(folder)
+            await asyncio.sleep(fetcher.interval_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not settings.database_url:
+            raise RuntimeError("DATABASE_URL must be set for the connector-fetcher service")
+        await ensure_topics(settings.kafka_bootstrap_servers)
+        await broker.start()
+        async with open_runtime(settings, settings.database_url) as runtime:
+            state["runtime"] = runtime
+            ticking = asyncio.create_task(timer()) if fetcher.folders and fetcher.interval_s else None
+            try:
+                yield
+            finally:
+                for task in [*running.values(), *([ticking] if ticking else [])]:
+                    task.cancel()
+                state.clear()
+        await broker.stop()
+
+    app = FastAPI(title="ragstream connector-fetcher", version="1", lifespan=lifespan)
+    app.mount("/metrics", make_asgi_app())
+
+    @app.post("/v1/syncs", status_code=202, response_model=SyncStatus)
+    async def create_sync(request: SyncRequest) -> SyncStatus:
+        folder = Path(request.path)
+        if not folder.is_dir():
+            raise HTTPException(status_code=422, detail=f"{request.path} is not a folder the fetcher can read")
+        return start_sync(folder)
+
+    @app.get("/v1/syncs/{connection_id}", response_model=SyncStatus)
+    async def get_sync(connection_id: str) -> SyncStatus:
+        if connection_id not in syncs:
+            raise HTTPException(status_code=404, detail="no sync of that connection")
+        return syncs[connection_id]
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(response: Response) -> dict[str, str]:
+        if "runtime" in state:
+            return {"status": "ready"}
+        response.status_code = 503
+        return {"status": "starting"}
+
+    return app

@@ -1,0 +1,1 @@
+"""embedder service: ``doc.chunked`` in, ``chunk.embedded`` out."""

@@ -1,0 +1,1 @@
+"""indexer service: ``chunk.embedded`` and ``doc.deleted`` in, ``indexed`` out."""

@@ -1,0 +1,1 @@
+"""retriever service: hybrid search over HTTP."""

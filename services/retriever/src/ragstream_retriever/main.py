@@ -1,0 +1,40 @@
+"""retriever service: ``POST /v1/search`` (vector + keyword, RRF) with health, readiness and metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ragstream.api.http import create_app as create_search_app
+from ragstream.runtime import Runtime, open_runtime
+from ragstream.settings import Settings
+
+__all__ = ["create_app"]
+
+
+def create_app() -> FastAPI:
+    settings = Settings()
+    state: dict[str, Runtime] = {}
+
+    async def ready() -> bool:
+        runtime = state.get("runtime")
+        return runtime is not None and bool(await runtime.pool.fetchval("SELECT true"))
+
+    app = create_search_app(lambda: state["runtime"].retriever if "runtime" in state else None, ready=ready)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not settings.database_url:
+            raise RuntimeError("DATABASE_URL must be set for the retriever service")
+        async with open_runtime(settings, settings.database_url) as runtime:
+            await runtime.embedder.warm_up()
+            state["runtime"] = runtime
+            try:
+                yield
+            finally:
+                state.clear()
+
+    app.router.lifespan_context = lifespan
+    return app
