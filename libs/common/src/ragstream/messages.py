@@ -46,7 +46,8 @@ class Topic(StrEnum):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    # bytes (packed vectors) travel as base64 inside the JSON body.
+    model_config = ConfigDict(frozen=True, extra="ignore", ser_json_bytes="base64", val_json_bytes="base64")
 
     schema_version: Annotated[
         int, Field(title="Schema version", description="Bumped on incompatible payload changes.")

@@ -7,6 +7,7 @@ the pool, creating topics, starting the broker and serving ``/healthz``, ``/read
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -29,6 +30,7 @@ from ragstream.settings import Settings
 __all__ = ["INFRASTRUCTURE_ERRORS", "ServiceContext", "create_service_app"]
 
 logger = logging.getLogger(__name__)
+_REDELIVERY_PAUSE_S = 1.0
 
 # Errors of the machinery around a document, not of the document: the message is not acked and is
 # delivered again once PostgreSQL or Kafka is back, instead of being recorded as a failed document.
@@ -56,6 +58,8 @@ class ServiceContext:
     async def fail(self, header: DocumentHeader, step: str, error: Exception) -> None:
         """Record a document's failure as a row and a dead letter; infrastructure errors propagate."""
         if isinstance(error, INFRASTRUCTURE_ERRORS):
+            # Not acked, so redelivered: pause first rather than spin while PostgreSQL restarts.
+            await asyncio.sleep(_REDELIVERY_PAUSE_S)
             raise error
         failure = classify(error)
         recorded = await self.runtime.store.record_failure(

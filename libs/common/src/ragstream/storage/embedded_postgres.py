@@ -16,10 +16,12 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Self
 
@@ -44,7 +46,8 @@ class EmbeddedPostgres:
     """One cluster in ``data_dir`` on 127.0.0.1, trust auth: made once, then reused."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
-        self.data_dir = Path(data_dir).absolute()
+        # Resolved: a running server is recognised by this path in its command line.
+        self.data_dir = Path(data_dir).resolve()
         self.port = port
         self._log = self.data_dir / "postgres.log"
         self._running_port: int | None = None
@@ -67,6 +70,8 @@ class EmbeddedPostgres:
 
     def start(self) -> str:
         """Create the cluster if needed, start it, ensure pgvector; return the DSN."""
+        if self._running_port is not None:
+            return self.dsn
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self._account:
             self._check_reachable()
@@ -77,23 +82,24 @@ class EmbeddedPostgres:
             self._run("initdb", "-D", str(self.data_dir), *_INITDB_OPTIONS)
             with (self.data_dir / "postgresql.conf").open("a") as conf:
                 conf.write(f"\ninclude_if_exists = '{_CONF}'\n")
-        if self._postmaster_alive():  # left running by a process that died
-            self._pg_ctl("stop", "-m", "fast")
-        else:  # after a crash (kill -9) the recorded pid may be a zombie or reused
-            pid_file = self.data_dir / "postmaster.pid"
-            for lock in [pid_file, *self.data_dir.glob(".s.PGSQL.*")]:
-                lock.unlink(missing_ok=True)
+        self._shutdown()  # a server left running by a process that died
+        # After a crash (kill -9) the lock files name a dead, zombie or reused pid.
+        pid_file = self.data_dir / "postmaster.pid"
+        for lock in [pid_file, *self.data_dir.glob(".s.PGSQL.*")]:
+            lock.unlink(missing_ok=True)
         port = self.port or _free_port(self._configured_port())
         socket_dir = str(self.data_dir).replace("'", "''")
         (self.data_dir / _CONF).write_text(
             f"port = {port}\nlisten_addresses = '127.0.0.1'\n"
             f"unix_socket_directories = '{socket_dir}'\nfsync = on\n"
         )
-        self._pg_ctl("start", "-l", str(self._log), "-t", "60")
+        self._run(
+            "pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w"
+        )
         self._running_port = port
+        where = ["-h", "127.0.0.1", "-p", str(port), "-U", _SUPERUSER, "-d", "postgres"]
         sql = "CREATE EXTENSION IF NOT EXISTS vector"
-        self._run("psql", "-Xq", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-p",
-                  str(port), "-U", _SUPERUSER, "-d", "postgres", "-c", sql)  # fmt: skip
+        self._run("psql", "-Xq", "-v", "ON_ERROR_STOP=1", *where, "-c", sql)
         return self.dsn
 
     def stop(self) -> None:
@@ -101,8 +107,7 @@ class EmbeddedPostgres:
         if self._running_port is None:
             return
         self._running_port = None
-        if self._postmaster_alive():
-            self._pg_ctl("stop", "-m", "fast")
+        self._shutdown()
 
     def __enter__(self) -> Self:
         self.start()
@@ -111,9 +116,20 @@ class EmbeddedPostgres:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _pg_ctl(self, action: str, *options: str) -> None:
-        """pg_ctl waits (-w) until the server accepts connections or is gone."""
-        self._run("pg_ctl", action, "-D", str(self.data_dir), "-w", *options)
+    def _shutdown(self, timeout: float = 60) -> None:
+        """Fast shutdown of a live server, waiting until it exits.
+
+        Not ``pg_ctl stop``: after a kill -9 it waits for the pid to vanish, which a
+        zombie that is not reaped yet never does.
+        """
+        if (pid := self._postmaster_pid()) is None:
+            return
+        os.kill(pid, signal.SIGINT)  # fast mode: roll back open transactions
+        deadline = time.monotonic() + timeout
+        while self._postmaster_pid() is not None:
+            if time.monotonic() > deadline:
+                raise self._error(f"postgres (pid {pid}) runs after {timeout:.0f}s")
+            time.sleep(0.05)
 
     def _run(self, program: str, *args: str) -> None:
         """Run a bundled binary (unprivileged when we are root); raise with the log."""
@@ -127,21 +143,25 @@ class EmbeddedPostgres:
             check=False,
         )
         if done.returncode:
-            log = self._log.read_text(errors="replace") if self._log.exists() else ""
-            tail = "\n".join(log.splitlines()[-30:]) or "(empty)"
-            raise EmbeddedPostgresError(
-                f"{program} failed (exit {done.returncode}): {done.stderr.strip()}\n"
-                f"--- tail of {self._log} ---\n{tail}"
-            )
+            error = f"{program} failed (exit {done.returncode}): {done.stderr.strip()}"
+            raise self._error(error)
 
-    def _postmaster_alive(self) -> bool:
-        """Whether postmaster.pid names a live postgres serving this data dir."""
+    def _error(self, message: str) -> EmbeddedPostgresError:
+        log = self._log.read_text(errors="replace") if self._log.exists() else ""
+        tail = "\n".join(log.splitlines()[-30:]) or "(empty)"
+        return EmbeddedPostgresError(f"{message}\n--- tail of {self._log} ---\n{tail}")
+
+    def _postmaster_pid(self) -> int | None:
+        """The pid in postmaster.pid if it is a live postgres serving this data dir."""
         try:
             pid = int((self.data_dir / "postmaster.pid").read_text().split()[0])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            process = Path(f"/proc/{pid}")
+            state = (process / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (process / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
-            return False
-        return b"postgres" in cmdline and str(self.data_dir).encode() in cmdline
+            return None
+        ours = b"postgres" in cmdline and str(self.data_dir).encode() in cmdline
+        return pid if ours and state not in "ZX" else None
 
     def _configured_port(self) -> int:
         """The last run's port: the DSN stays stable across restarts if still free."""

@@ -1,0 +1,164 @@
+"""The five services as real processes over a real Kafka broker and PostgreSQL.
+
+Ingest a folder, find a chunk; edit a file, the new text is found and the old is gone; delete a
+file, it is gone. Then crash consumers between their durable output and their offset commit and
+show that nothing is lost and no chunk is duplicated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from ragstream.connectors.folder import FolderConnector
+from tests.support.services import ServiceProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.kafka]
+
+CONSUMERS = ("chunker", "embedder", "indexer")
+
+
+@pytest.fixture(scope="module")
+def service_env(database_url: str, kafka_bootstrap: str) -> dict[str, str]:
+    return {
+        "DATABASE_URL": database_url,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "RAGSTREAM_KAFKA_SESSION_TIMEOUT_MS": "6000",
+        "RAGSTREAM_FETCHER_INTERVAL_S": "0",
+    }
+
+
+@pytest.fixture(scope="module")
+def services(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServiceProcess]]:
+    logs = tmp_path_factory.mktemp("service-logs")
+    started: dict[str, ServiceProcess] = {}
+    try:
+        for name in ("connector-fetcher", *CONSUMERS, "retriever"):
+            started[name] = ServiceProcess(name, service_env, logs).start(timeout=120)
+        yield started
+    finally:
+        for process in started.values():
+            process.stop()
+
+
+def trigger_sync(fetcher: ServiceProcess, folder: Path) -> None:
+    response = httpx.post(f"{fetcher.url}/v1/syncs", json={"path": str(folder)}, timeout=10)
+    assert response.status_code == 202, response.text
+    connection = FolderConnector(folder).connection_id
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{fetcher.url}/v1/syncs/{connection}", timeout=10).json()
+        if status["state"] != "syncing":
+            assert status["state"] == "ready", status
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the fetcher did not finish announcing the sync")
+
+
+def search(retriever: ServiceProcess, folder: Path, query: str) -> list[dict[str, object]]:
+    response = httpx.post(
+        f"{retriever.url}/v1/search",
+        json={"query": query, "connection_ids": [FolderConnector(folder).connection_id]},
+        timeout=30,
+    )
+    response.raise_for_status()
+    results: list[dict[str, object]] = response.json()["results"]
+    return results
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 120.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def found(retriever: ServiceProcess, folder: Path, term: str) -> list[str]:
+    return [str(r["source"]) for r in search(retriever, folder, term) if term in str(r["text"])]
+
+
+def test_ingest_edit_delete_through_kafka(services: dict[str, ServiceProcess], tmp_path: Path) -> None:
+    folder = tmp_path / "kb"
+    folder.mkdir()
+    (folder / "alpha.md").write_text("# Alpha\n\n## Ports\n\nThe frobnicator listens on port 7411.\n")
+    (folder / "beta.md").write_text("# 贝塔\n\n## 值班\n\n值班交接在每周二上午十点进行。\n")
+    fetcher, retriever = services["connector-fetcher"], services["retriever"]
+
+    trigger_sync(fetcher, folder)
+    wait_until(lambda: found(retriever, folder, "frobnicator") == ["alpha.md"], what="alpha indexed")
+    wait_until(lambda: found(retriever, folder, "值班交接") == ["beta.md"], what="beta indexed")
+    result = search(retriever, folder, "frobnicator port")[0]
+    assert {"rank", "score", "citation_index", "document_id", "title", "source", "heading", "text"} <= set(result)
+    assert (result["title"], result["source"]) == ("Alpha", "alpha.md")
+
+    (folder / "alpha.md").write_text("# Alpha\n\nThe frobnicator moved to the snorkelgate subnet.\n")
+    trigger_sync(fetcher, folder)
+    wait_until(lambda: found(retriever, folder, "snorkelgate") == ["alpha.md"], what="edit indexed")
+    assert found(retriever, folder, "7411") == []
+
+    (folder / "beta.md").unlink()
+    trigger_sync(fetcher, folder)
+    wait_until(lambda: found(retriever, folder, "值班交接") == [], what="deletion indexed")
+
+
+async def committed_state(database_url: str, folder: Path) -> tuple[set[str], list[tuple[str, int]], int]:
+    """Indexed sources, (source, ordinal) of every chunk, and the sum of per-document chunk counts."""
+    connection = await asyncpg.connect(database_url)
+    try:
+        where = "d.connection_id = $1 AND d.status = 'indexed'"
+        connection_id = FolderConnector(folder).connection_id
+        sources = {r["source"] for r in await connection.fetch(f"SELECT source FROM documents d WHERE {where}", connection_id)}
+        chunks = await connection.fetch(
+            f"SELECT d.source, c.ordinal FROM chunks c JOIN documents d ON d.id = c.document_id WHERE {where}",
+            connection_id,
+        )
+        expected = await connection.fetchval(
+            f"SELECT coalesce(sum(chunk_count), 0) FROM documents d WHERE {where}", connection_id
+        )
+        return sources, sorted((r["source"], r["ordinal"]) for r in chunks), int(expected)
+    finally:
+        await connection.close()
+
+
+@pytest.mark.parametrize(
+    ("stage", "point"),
+    [("chunker", "chunker.after_publish"), ("embedder", "embedder.after_publish"), ("indexer", "indexer.after_commit")],
+)
+async def test_crash_between_output_and_offset_commit_loses_nothing(
+    services: dict[str, ServiceProcess],
+    service_env: dict[str, str],
+    database_url: str,
+    tmp_path: Path,
+    stage: str,
+    point: str,
+) -> None:
+    folder = tmp_path / "crash"
+    folder.mkdir()
+    count = 12
+    for number in range(count):
+        body = f"Document {number} mentions crashterm{number}. " + "Filler sentence for a second chunk. " * 60
+        (folder / f"doc{number:02}.md").write_text(f"# Doc {number}\n\n{body}\n")
+
+    services[stage].stop()
+    crashing = ServiceProcess(stage, {**service_env, "RAGSTREAM_CRASH_AT": point, "RAGSTREAM_CRASH_AFTER": "3"}, tmp_path)
+    crashing.start(timeout=120)
+    trigger_sync(services["connector-fetcher"], folder)
+    assert crashing.wait_exit(timeout=120) == 86, crashing.tail()
+    services[stage] = ServiceProcess(stage, service_env, tmp_path).start(timeout=120)
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        sources, chunks, expected = await committed_state(database_url, folder)
+        if len(sources) == count:
+            break
+        time.sleep(0.5)
+    assert sources == {f"doc{number:02}.md" for number in range(count)}
+    assert len(chunks) == len(set(chunks)) == expected
+    assert all(found(services["retriever"], folder, f"crashterm{n}") == [f"doc{n:02}.md"] for n in (0, count - 1))
