@@ -1,0 +1,36 @@
+# ragstream: `make run` starts the embedded mode on the sample knowledge base; `make test` runs
+# the whole suite against its own PostgreSQL (pgserver) and Apache Kafka (Maven Central jars).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PACKAGES := -e libs/common $(foreach service,$(wildcard services/*),-e $(service))
+export RAGSTREAM_DATA_DIR ?= $(CURDIR)/.data
+
+.PHONY: install system-deps run test lint bench clean
+
+$(BIN)/ragstream: libs/common/pyproject.toml $(wildcard services/*/pyproject.toml) requirements-dev.txt constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip==25.3
+	$(BIN)/pip install --quiet -c constraints.txt -r requirements-dev.txt $(PACKAGES)
+	touch $@
+
+install: $(BIN)/ragstream
+
+system-deps:
+	bash scripts/install-system-deps.sh
+
+run: install
+	$(BIN)/ragstream up --source examples/knowledge-base --port $(or $(PORT),8080)
+
+test: install system-deps
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check libs services tests bench
+	$(BIN)/mypy
+
+bench: install system-deps
+	$(BIN)/python -m bench.ingest
+
+clean:
+	rm -rf $(VENV) .cache .data
