@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
-
 from tests.support.kafka_node import KafkaNode
 
 

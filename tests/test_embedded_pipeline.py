@@ -91,7 +91,9 @@ async def test_bad_documents_fail_alone_with_their_reason(runtime: Runtime, corp
     with (corpus / "huge.md").open("wb") as huge:
         line = b"# Heading\n\n" + b"word " * 200 + b"\n\n"
         huge.write(line * (50 * 1024 * 1024 // len(line) + 1))
-    nested = "".join(f"{'#' * (1 + level % 6)} Level {level}\n\ntext at depth {level} nestedterm\n\n" for level in range(300))
+    nested = "".join(
+        f"{'#' * (1 + level % 6)} Level {level}\n\ntext at depth {level} nestedterm\n\n" for level in range(300)
+    )
     (corpus / "nested.md").write_text(nested)
 
     report = await sync(runtime, corpus)
@@ -159,9 +161,7 @@ async def test_redelivered_and_reordered_versions_never_duplicate_chunks(runtime
     # Re-run the committed version through every stage, as a redelivery after a crash would.
     from ragstream.messages import DocumentChanged
 
-    header = (await runtime.pool.fetchrow(
-        "SELECT * FROM documents WHERE id = $1", stored["id"]
-    ))
+    header = await runtime.pool.fetchrow("SELECT * FROM documents WHERE id = $1", stored["id"])
     message = DocumentChanged.model_validate(
         {
             "header": {

@@ -14,17 +14,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-u
 async def test_pgvector_hnsw_nearest_neighbours(database_url: str) -> None:
     connection = await asyncpg.connect(database_url)
     try:
-        version = await connection.fetchval(
-            "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
-        )
+        version = await connection.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
         assert version, "the vector extension is not installed"
         # A temporary table leaves nothing behind on a shared $DATABASE_URL.
-        await connection.execute(
-            "CREATE TEMP TABLE items (id int PRIMARY KEY, embedding vector(3))"
-        )
-        await connection.execute(
-            "CREATE INDEX items_hnsw ON items USING hnsw (embedding vector_cosine_ops)"
-        )
+        await connection.execute("CREATE TEMP TABLE items (id int PRIMARY KEY, embedding vector(3))")
+        await connection.execute("CREATE INDEX items_hnsw ON items USING hnsw (embedding vector_cosine_ops)")
         await connection.executemany(
             "INSERT INTO items VALUES ($1, $2::text::vector)",
             [(1, "[1,0,0]"), (2, "[0,1,0]"), (3, "[0.9,0.1,0]"), (4, "[0,0,1]")],

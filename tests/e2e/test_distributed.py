@@ -7,6 +7,7 @@ show that nothing is lost and no chunk is duplicated.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,7 +35,9 @@ def service_env(database_url: str, kafka_bootstrap: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def services(service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServiceProcess]]:
+def services(
+    service_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServiceProcess]]:
     logs = tmp_path_factory.mktemp("service-logs")
     started: dict[str, ServiceProcess] = {}
     try:
@@ -114,7 +117,9 @@ async def committed_state(database_url: str, folder: Path) -> tuple[set[str], li
     try:
         where = "d.connection_id = $1 AND d.status = 'indexed'"
         connection_id = FolderConnector(folder).connection_id
-        sources = {r["source"] for r in await connection.fetch(f"SELECT source FROM documents d WHERE {where}", connection_id)}
+        sources = {
+            r["source"] for r in await connection.fetch(f"SELECT source FROM documents d WHERE {where}", connection_id)
+        }
         chunks = await connection.fetch(
             f"SELECT d.source, c.ordinal FROM chunks c JOIN documents d ON d.id = c.document_id WHERE {where}",
             connection_id,
@@ -147,7 +152,9 @@ async def test_crash_between_output_and_offset_commit_loses_nothing(
         (folder / f"doc{number:02}.md").write_text(f"# Doc {number}\n\n{body}\n")
 
     services[stage].stop()
-    crashing = ServiceProcess(stage, {**service_env, "RAGSTREAM_CRASH_AT": point, "RAGSTREAM_CRASH_AFTER": "3"}, tmp_path)
+    crashing = ServiceProcess(
+        stage, {**service_env, "RAGSTREAM_CRASH_AT": point, "RAGSTREAM_CRASH_AFTER": "3"}, tmp_path
+    )
     crashing.start(timeout=120)
     trigger_sync(services["connector-fetcher"], folder)
     assert crashing.wait_exit(timeout=120) == 86, crashing.tail()
@@ -158,7 +165,7 @@ async def test_crash_between_output_and_offset_commit_loses_nothing(
         sources, chunks, expected = await committed_state(database_url, folder)
         if len(sources) == count:
             break
-        time.sleep(0.5)
+        await asyncio.sleep(0.5)
     assert sources == {f"doc{number:02}.md" for number in range(count)}
     assert len(chunks) == len(set(chunks)) == expected
     assert all(found(services["retriever"], folder, f"crashterm{n}") == [f"doc{n:02}.md"] for n in (0, count - 1))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 import pytest
+
 from ragstream.embedding.base import Embedder, EmbeddingError
 from ragstream.embedding.dashscope import EMBEDDING_PATH, DashScopeEmbedder
 
@@ -83,9 +84,7 @@ async def test_vectors_are_float32_unit_length_and_match_texts(
     np.testing.assert_array_equal(vectors[0], vectors[1])
 
 
-async def test_request_body_follows_the_native_api(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_request_body_follows_the_native_api(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     await make_embedder(model="text-embedding-v4").embed(["a b"])
 
     [body] = fake_dashscope.bodies(EMBEDDING_PATH)
@@ -109,9 +108,7 @@ async def test_95_texts_go_out_as_10_requests_of_at_most_10(
     np.testing.assert_allclose(vectors, fake_dashscope.expected_vectors(texts), atol=1e-5)
 
 
-async def test_smaller_batch_size_is_honoured(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_smaller_batch_size_is_honoured(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     await make_embedder(batch_size=6).embed(texts_(13))
 
     assert sorted(len(b["input"]["texts"]) for b in fake_dashscope.bodies()) == [1, 6, 6]
@@ -239,9 +236,7 @@ async def test_connection_refused_is_retried_then_retryable() -> None:
     with socket.socket() as sock:  # a port nobody listens on once closed
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    embedder = DashScopeEmbedder(
-        api_key="sk-secret-value", base_url=f"http://127.0.0.1:{port}", max_retries=2, **FAST
-    )
+    embedder = DashScopeEmbedder(api_key="sk-secret-value", base_url=f"http://127.0.0.1:{port}", max_retries=2, **FAST)
     try:
         with pytest.raises(EmbeddingError) as caught:
             await embedder.embed(["x"])
@@ -316,23 +311,17 @@ async def test_dimension_is_sent_and_honoured(
 
     assert vectors.shape == (3, dimension)
     assert fake_dashscope.bodies()[0]["parameters"]["dimension"] == dimension
-    np.testing.assert_allclose(
-        vectors, fake_dashscope.expected_vectors(texts, dimension), atol=1e-5
-    )
+    np.testing.assert_allclose(vectors, fake_dashscope.expected_vectors(texts, dimension), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["query", "document"])
-async def test_text_type_follows_kind(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder, kind: Any
-) -> None:
+async def test_text_type_follows_kind(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder, kind: Any) -> None:
     await make_embedder().embed(["x"], kind=kind)
 
     assert fake_dashscope.bodies()[0]["parameters"]["text_type"] == kind
 
 
-async def test_empty_input_makes_no_request(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_empty_input_makes_no_request(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     vectors = await make_embedder(dimension=256).embed([])
 
     assert vectors.shape == (0, 256)
@@ -362,9 +351,7 @@ def _answer(embeddings: list[dict[str, Any]]) -> httpx.MockTransport:
         ([], "0 vectors for 1 texts"),
     ],
 )
-async def test_malformed_answers_are_permanent_errors(
-    embeddings: list[dict[str, Any]], reason: str
-) -> None:
+async def test_malformed_answers_are_permanent_errors(embeddings: list[dict[str, Any]], reason: str) -> None:
     embedder = DashScopeEmbedder(api_key="sk-x", dimension=4, transport=_answer(embeddings))
     try:
         with pytest.raises(EmbeddingError, match=reason) as caught:
@@ -403,9 +390,7 @@ async def test_a_non_json_error_page_is_still_classified() -> None:
             },
         )
 
-    embedder = DashScopeEmbedder(
-        api_key="sk-x", dimension=2, transport=httpx.MockTransport(handler), **FAST
-    )
+    embedder = DashScopeEmbedder(api_key="sk-x", dimension=2, transport=httpx.MockTransport(handler), **FAST)
     try:
         vectors = await embedder.embed(["x"])
     finally:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 import pytest
+
 from ragstream.embedding.base import Embedder, EmbeddingError
 from ragstream.embedding.openai_compatible import (
     OpenAICompatibleEmbedder,
@@ -58,14 +59,10 @@ async def test_satisfies_embedder_protocol(make_embedder: MakeEmbedder) -> None:
     embedder = make_embedder(model="bge-m3", dimension=1024)
     assert isinstance(embedder, Embedder)
     assert embedder.model_key == "openai-compatible-bge-m3-1024"
-    assert make_embedder(model_key="dashscope-text-embedding-v3-1024").model_key == (
-        "dashscope-text-embedding-v3-1024"
-    )
+    assert make_embedder(model_key="dashscope-text-embedding-v3-1024").model_key == ("dashscope-text-embedding-v3-1024")
 
 
-async def test_request_body_is_openai_shaped(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_request_body_is_openai_shaped(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     await make_embedder().embed(["a", "b"])
 
     [body] = fake_dashscope.bodies(ROUTE)
@@ -87,9 +84,7 @@ async def test_vectors_ordered_by_index_and_unit_length(
     np.testing.assert_allclose(vectors, fake_dashscope.expected_vectors(texts), atol=1e-5)
 
 
-async def test_batches_and_concurrency_are_capped(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_batches_and_concurrency_are_capped(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     fake_dashscope.delay_s = 0.05
 
     await make_embedder(batch_size=10, max_concurrency=4).embed(texts_(95))
@@ -99,9 +94,7 @@ async def test_batches_and_concurrency_are_capped(
     assert fake_dashscope.max_in_flight == 4
 
 
-async def test_dimensions_sent_when_asked(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_dimensions_sent_when_asked(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     texts = texts_(3)
 
     vectors = await make_embedder(dimension=512, send_dimensions=True).embed(texts)
@@ -118,9 +111,7 @@ async def test_unexpected_dimension_is_a_permanent_error(make_embedder: MakeEmbe
     assert caught.value.retryable is False
 
 
-async def test_query_and_document_prefixes(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_query_and_document_prefixes(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     embedder = make_embedder(query_prefix="query: ", document_prefix="passage: ")
 
     await embedder.embed(["q"], kind="query")
@@ -173,9 +164,7 @@ async def test_wrong_key_is_permanent_and_redacted_even_when_echoed(
     assert wrong_key not in str(caught.value)
 
 
-async def test_no_key_sends_no_authorization_header(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_no_key_sends_no_authorization_header(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     with pytest.raises(EmbeddingError, match="No API-key provided"):
         await make_embedder(api_key=None).embed(["x"])
 
@@ -192,9 +181,7 @@ async def test_oversized_batch_error_under_error_key_is_permanent(
     assert fake_dashscope.requests == 1
 
 
-async def test_duplicate_zero_indexes_are_rejected(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_duplicate_zero_indexes_are_rejected(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     fake_dashscope.duplicate_zero_index = True
 
     with pytest.raises(EmbeddingError, match="repeats index 0") as caught:
@@ -203,9 +190,7 @@ async def test_duplicate_zero_indexes_are_rejected(
     assert caught.value.retryable is False
 
 
-async def test_empty_input_makes_no_request(
-    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
-) -> None:
+async def test_empty_input_makes_no_request(fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder) -> None:
     vectors = await make_embedder(dimension=8).embed([])
 
     assert vectors.shape == (0, 8)
@@ -255,17 +240,13 @@ async def test_concurrent_failures_report_the_permanent_one(
         (422, {"detail": "bad field"}, "", "bad field"),
     ],
 )
-def test_parse_openai_error_shapes(
-    status: int, body: dict[str, Any], code: str, message: str
-) -> None:
+def test_parse_openai_error_shapes(status: int, body: dict[str, Any], code: str, message: str) -> None:
     info = parse_openai_error(httpx.Response(status, json=body))
 
     assert (info.status, info.code, info.message) == (status, code, message)
 
 
 def test_parse_openai_error_without_json() -> None:
-    info = parse_openai_error(
-        httpx.Response(503, text="upstream down", headers={"x-request-id": "abc"})
-    )
+    info = parse_openai_error(httpx.Response(503, text="upstream down", headers={"x-request-id": "abc"}))
 
     assert (info.code, info.message, info.request_id) == ("", "upstream down", "abc")

@@ -154,9 +154,7 @@ class FakeDashScope:
         self.fail_next(n, status=status, code="Throttling.RateQuota")
 
     def server_error_next(self, n: int = 1) -> None:
-        self.fail_next(
-            n, status=500, code="InternalError", message="An internal error has occured."
-        )
+        self.fail_next(n, status=500, code="InternalError", message="An internal error has occured.")
 
     def delay_next(self, n: int, seconds: float) -> None:
         """Hold the next ``n`` requests for ``seconds`` before answering normally."""
@@ -179,9 +177,7 @@ class FakeDashScope:
 
     # -- views for assertions ----------------------------------------------------------------
 
-    def expected_vectors(
-        self, texts: list[str], dimension: int = DEFAULT_DIMENSION
-    ) -> np.ndarray[Any, Any]:
+    def expected_vectors(self, texts: list[str], dimension: int = DEFAULT_DIMENSION) -> np.ndarray[Any, Any]:
         """The unit vectors this fake answers for ``texts``, one row each."""
         return np.vstack([fake_vector(text, dimension) for text in texts])
 
@@ -214,9 +210,7 @@ def _request_id() -> str:
 
 
 def _native_error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(
-        {"code": code, "message": message, "request_id": _request_id()}, status_code=status
-    )
+    return JSONResponse({"code": code, "message": message, "request_id": _request_id()}, status_code=status)
 
 
 def _compatible_error(status: int, code: str, message: str) -> JSONResponse:
@@ -291,10 +285,7 @@ def create_app(fake: FakeDashScope) -> FastAPI:
             if parameters.get("output_type", "dense") != "dense":
                 # ASSUMPTION: sparse output is real but unused by ragstream; not modelled.
                 return _native_error(400, "InvalidParameter", "fake supports output_type=dense.")
-            items = [
-                {"text_index": i, "embedding": fake._vector(text, dimension)}
-                for i, text in enumerate(texts)
-            ]
+            items = [{"text_index": i, "embedding": fake._vector(text, dimension)} for i, text in enumerate(texts)]
             if fake.shuffle:
                 random.shuffle(items)
             tokens = sum(len(tokenize(t)) for t in texts)
@@ -362,9 +353,7 @@ def create_app(fake: FakeDashScope) -> FastAPI:
             if not all(isinstance(d, str) for d in documents):
                 return _native_error(400, "InvalidParameter", "documents must be strings.")
             if len(documents) > RERANK_MAX_DOCUMENTS:
-                return _native_error(
-                    400, "InvalidParameter", f"at most {RERANK_MAX_DOCUMENTS} documents."
-                )
+                return _native_error(400, "InvalidParameter", f"at most {RERANK_MAX_DOCUMENTS} documents.")
             parameters = body.get("parameters") or {}
             top_n = parameters.get("top_n") or len(documents)
             if not isinstance(top_n, int) or top_n < 1:
@@ -410,9 +399,7 @@ def _free_socket() -> socket.socket:
 
 
 @contextmanager
-def run_fake_dashscope(
-    api_key: str = DEFAULT_API_KEY, batch_cap: int = 10
-) -> Iterator[FakeDashScope]:
+def run_fake_dashscope(api_key: str = DEFAULT_API_KEY, batch_cap: int = 10) -> Iterator[FakeDashScope]:
     """Serve a fresh fake on 127.0.0.1 in a background thread for the duration of the block."""
     fake = FakeDashScope(api_key=api_key, batch_cap=batch_cap)
     sock = _free_socket()
@@ -425,9 +412,7 @@ def run_fake_dashscope(
         timeout_graceful_shutdown=1,
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="fake-dashscope", daemon=True
-    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="fake-dashscope", daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:

@@ -60,7 +60,7 @@ def kafka_libs() -> Path:
     command = [_tool("mvn"), "-B", "-q", "-f", str(_POM)]
     command += ["dependency:copy-dependencies", f"-DoutputDirectory={staging}"]
     done = subprocess.run(
-        command + [f"-Dkafka.version={KAFKA_VERSION}"],
+        [*command, f"-Dkafka.version={KAFKA_VERSION}"],
         capture_output=True,
         text=True,
         check=False,
@@ -100,9 +100,7 @@ class KafkaNode:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         broker_port, controller_port = _free_ports(2)
         properties = self.work_dir / "server.properties"
-        properties.write_text(
-            _server_properties(self.work_dir / "data", broker_port, controller_port)
-        )
+        properties.write_text(_server_properties(self.work_dir / "data", broker_port, controller_port))
         (self.work_dir / "log4j2.properties").write_text(_LOG4J2)
         classpath = ["-cp", f"{libs}/*"]
         jvm = [
@@ -179,35 +177,28 @@ class KafkaNode:
         """Whether the broker process is alive."""
         return self._process is not None and self._process.poll() is None
 
-    async def _wait_ready(
-        self, process: subprocess.Popen[bytes], bootstrap: str
-    ) -> None:
+    async def _wait_ready(self, process: subprocess.Popen[bytes], bootstrap: str) -> None:
         """Poll with a real client until the broker lists topics and reports itself."""
         deadline = time.monotonic() + self.startup_timeout
         last_error: Exception | None = None
         while True:
             if process.poll() is not None:
-                raise KafkaNodeError(
-                    f"kafka exited with {process.returncode}:\n{self._tail()}"
-                )
+                raise KafkaNodeError(f"kafka exited with {process.returncode}:\n{self._tail()}")
             # A plain TCP probe first keeps aiokafka from logging refused connections.
             if await _accepts_connections(bootstrap):
-                admin = AIOKafkaAdminClient(
-                    bootstrap_servers=bootstrap, request_timeout_ms=5000
-                )
+                admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
                 try:
                     await admin.start()
                     await admin.list_topics()
                     if (await admin.describe_cluster())["brokers"]:
                         return
-                except Exception as error:  # noqa: BLE001 - any failure means "not yet"
+                except Exception as error:
                     last_error = error
                 finally:
                     await admin.close()
             if time.monotonic() > deadline:
                 raise KafkaNodeError(
-                    f"kafka not ready after {self.startup_timeout:.0f}s "
-                    f"({last_error!r}):\n{self._tail()}"
+                    f"kafka not ready after {self.startup_timeout:.0f}s ({last_error!r}):\n{self._tail()}"
                 )
             await asyncio.sleep(0.25)
 

@@ -47,8 +47,19 @@ class ServiceProcess:
     def start(self, timeout: float = 60.0, *, wait_ready: bool = True) -> Self:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", MODULES[self.name], "--factory",
-                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    MODULES[self.name],
+                    "--factory",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                ],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

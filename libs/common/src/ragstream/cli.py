@@ -82,7 +82,9 @@ async def _sync_folder(
 
 
 @app.command()
-def ingest(path: Annotated[Path, typer.Argument(help="Folder of md, txt and html files", exists=True, file_okay=False)]) -> None:
+def ingest(
+    path: Annotated[Path, typer.Argument(help="Folder of md, txt and html files", exists=True, file_okay=False)],
+) -> None:
     """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed."""
     report = _run(lambda runtime: _sync_folder(runtime, path))
     assert isinstance(report, SyncReport)
@@ -133,4 +135,8 @@ def up(
     """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process."""
     from ragstream.embedded import serve
 
-    _run(lambda runtime: serve(runtime, [path.resolve() for path in source or []], host, port, sync_interval, _sync_folder))
+    _run(
+        lambda runtime: serve(
+            runtime, [path.resolve() for path in source or []], host, port, sync_interval, _sync_folder
+        )
+    )

@@ -42,15 +42,15 @@ class ConsumerLagMiddleware(BaseMiddleware):
     """Exports how far each consumed partition is behind its end, from the consumer's own fetch
     metadata, so it costs no extra request."""
 
-    async def on_consume(self, msg: Any) -> Any:
-        record = msg.raw_message
-        consumer = getattr(msg, "consumer", None)
+    async def on_receive(self) -> None:
+        record = self.msg
+        consumer = getattr(record, "consumer", None)
         if isinstance(consumer, AIOKafkaConsumer) and isinstance(record, ConsumerRecord):
             end = consumer.highwater(TopicPartition(record.topic, record.partition))
             if end is not None:
                 group = getattr(consumer, "_group_id", None) or "none"
                 CONSUMER_LAG.labels(group, record.topic, str(record.partition)).set(max(0, end - record.offset - 1))
-        return await super().on_consume(msg)
+        await super().on_receive()
 
 
 def consumer_options(settings: Settings, service: str) -> dict[str, Any]:

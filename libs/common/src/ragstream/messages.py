@@ -59,7 +59,9 @@ class DocumentHeader(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    document_id: Annotated[str, Field(title="Document id", description="Stable id: hash of connection and external id.")]
+    document_id: Annotated[
+        str, Field(title="Document id", description="Stable id: hash of connection and external id.")
+    ]
     connection_id: Annotated[str, Field(title="Connection id")]
     external_id: Annotated[str, Field(title="Id at the origin", description="Relative path for a folder.")]
     version: Annotated[int, Field(title="Version", description="Monotonic; the indexer keeps only newer versions.")]

@@ -22,7 +22,9 @@ STAGE_LATENCY = Histogram(
     ["stage"],
     buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
-CONSUMER_LAG = Gauge("ragstream_consumer_lag", "Messages behind the end of the partition", ["group", "topic", "partition"])
+CONSUMER_LAG = Gauge(
+    "ragstream_consumer_lag", "Messages behind the end of the partition", ["group", "topic", "partition"]
+)
 SEARCH_LATENCY = Histogram(
     "ragstream_search_seconds", "Hybrid search latency", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 )

@@ -60,9 +60,7 @@ class Parser:
 
     def run(self, content: bytes, media_type: str, fallback_title: str) -> ParsedDocument:
         if len(content) > self._max_bytes:
-            raise ParseError(
-                ParseErrorCode.TOO_LARGE, f"{len(content)} bytes is over the limit of {self._max_bytes}"
-            )
+            raise ParseError(ParseErrorCode.TOO_LARGE, f"{len(content)} bytes is over the limit of {self._max_bytes}")
         text = self._decode(content)
         if not text.strip():
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text")

@@ -66,7 +66,8 @@ class HybridRetriever:
     async def search(self, request: SearchRequest) -> SearchResponse:
         started = time.perf_counter()
         vector_ids, keyword_ids = await asyncio.gather(
-            self._vector_leg(request), self._store.keyword_leg(query_terms(request.query), LEG_SIZE, request.connection_ids)
+            self._vector_leg(request),
+            self._store.keyword_leg(query_terms(request.query), LEG_SIZE, request.connection_ids),
         )
         scores: dict[str, float] = {}
         for ranking in (vector_ids, keyword_ids):

@@ -22,9 +22,9 @@ _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _TOKEN = re.compile(r"[A-Za-z0-9]+(?:[-_.][A-Za-z0-9]+)*|[^\W\d_A-Za-z]+", re.UNICODE)
 # Chinese function words and question words: the english configuration drops English stop words
 # at query time, and these would otherwise match nearly every Chinese chunk.
-_CJK_STOP_WORDS = frozenset(
-    "的 了 是 在 和 与 及 或 吗 呢 啊 吧 呀 么 什么 多少 怎么 怎样 如何 哪些 哪个 哪里 为什么 是否 "
-    "我 你 他 她 它 我们 你们 他们 这 那 这个 那个 有 也 都 就 要 会 能 可以 一个 请问 吗？".split()
+_CJK_STOP_WORDS = frozenset("的了是在和与及或吗呢啊吧呀么我你他她它这那有也都就要会能") | frozenset(
+    {"什么", "多少", "怎么", "怎样", "如何", "哪些", "哪个", "哪里", "为什么", "是否", "我们", "你们", "他们"}
+    | {"这个", "那个", "可以", "一个", "请问"}
 )
 _tokenizer: Tokenizer | None = None
 _lock = threading.Lock()

@@ -12,10 +12,11 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import asyncpg
 from aiokafka.errors import KafkaError
+from faststream import Context
 from faststream.asgi import AsgiFastStream, AsgiResponse, get, make_ping_asgi
 from faststream.kafka import KafkaBroker
 from prometheus_client import make_asgi_app
@@ -27,7 +28,7 @@ from ragstream.metrics import DOCUMENTS_FAILED
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 
-__all__ = ["INFRASTRUCTURE_ERRORS", "ServiceContext", "create_service_app"]
+__all__ = ["INFRASTRUCTURE_ERRORS", "Service", "ServiceContext", "create_service_app"]
 
 logger = logging.getLogger(__name__)
 _REDELIVERY_PAUSE_S = 1.0
@@ -76,6 +77,10 @@ class ServiceContext:
             retry_count=recorded.retry_count,
         )
         await self.publish(Topic.DEAD_LETTER, dead, header.document_id)
+
+
+Service = Annotated[ServiceContext, Context("service")]
+"""A handler parameter of this type receives the process's ``ServiceContext``."""
 
 
 def create_service_app(

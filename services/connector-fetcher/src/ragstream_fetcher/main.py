@@ -76,7 +76,10 @@ def create_app() -> FastAPI:
             running.pop(connector.connection_id, None)
 
     def start_sync(folder: Path) -> SyncStatus:
-        connector = FolderConnector(folder)
+        try:
+            connector = FolderConnector(folder)
+        except NotADirectoryError as error:
+            raise HTTPException(status_code=422, detail=f"{folder} is not a folder the fetcher can read") from error
         if connector.connection_id in running:
             raise HTTPException(status_code=409, detail="Sync already in progress")
         syncs[connector.connection_id] = SyncStatus(connection_id=connector.connection_id, state="syncing", counts={})
@@ -112,10 +115,7 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/syncs", status_code=202, response_model=SyncStatus)
     async def create_sync(request: SyncRequest) -> SyncStatus:
-        folder = Path(request.path)
-        if not folder.is_dir():
-            raise HTTPException(status_code=422, detail=f"{request.path} is not a folder the fetcher can read")
-        return start_sync(folder)
+        return start_sync(Path(request.path))
 
     @app.get("/v1/syncs/{connection_id}", response_model=SyncStatus)
     async def get_sync(connection_id: str) -> SyncStatus:

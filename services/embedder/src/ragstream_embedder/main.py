@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from faststream import Context
 from faststream.asgi import AsgiFastStream
 from faststream.kafka import KafkaBroker
 
 from ragstream.faults import crash_point
 from ragstream.messages import DocumentChunked, Topic
 from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY
-from ragstream.service import ServiceContext, create_service_app
+from ragstream.service import Service, create_service_app
 
 __all__ = ["create_app", "register_handlers"]
 
@@ -24,7 +23,7 @@ def register_handlers(broker: KafkaBroker, options: dict[str, Any]) -> None:
         **options,
         title="doc.chunked → embedder",
     )
-    async def doc_chunked(message: DocumentChunked, service: ServiceContext = Context()) -> None:
+    async def doc_chunked(message: DocumentChunked, service: Service) -> None:
         MESSAGES_IN.labels(NAME, Topic.DOC_CHUNKED.value).inc()
         with STAGE_LATENCY.labels(NAME).time():
             try:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from faststream import Context
 from faststream.asgi import AsgiFastStream
 from faststream.kafka import KafkaBroker
 
 from ragstream.faults import crash_point
 from ragstream.messages import ChunksEmbedded, DocumentDeleted, Topic
 from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY
-from ragstream.service import ServiceContext, create_service_app
+from ragstream.service import Service, create_service_app
 
 __all__ = ["create_app", "register_handlers"]
 
@@ -24,7 +23,7 @@ def register_handlers(broker: KafkaBroker, options: dict[str, Any]) -> None:
         **options,
         title="chunk.embedded → indexer",
     )
-    async def chunk_embedded(message: ChunksEmbedded, service: ServiceContext = Context()) -> None:
+    async def chunk_embedded(message: ChunksEmbedded, service: Service) -> None:
         MESSAGES_IN.labels(NAME, Topic.CHUNK_EMBEDDED.value).inc()
         with STAGE_LATENCY.labels(NAME).time():
             try:
@@ -42,7 +41,7 @@ def register_handlers(broker: KafkaBroker, options: dict[str, Any]) -> None:
         **options,
         title="doc.deleted → indexer",
     )
-    async def doc_deleted(message: DocumentDeleted, service: ServiceContext = Context()) -> None:
+    async def doc_deleted(message: DocumentDeleted, service: Service) -> None:
         MESSAGES_IN.labels(NAME, Topic.DOC_DELETED.value).inc()
         with STAGE_LATENCY.labels(NAME).time():
             indexed = await service.runtime.indexer.delete(message)

@@ -16,7 +16,7 @@ def create_embedder(settings: EmbeddingSettings) -> Embedder:
         return LocalUSEEmbedder(threads=settings.threads)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     if settings.provider == "dashscope":
-        from ragstream.embedding.dashscope import DashScopeEmbedder
+        from ragstream.embedding.dashscope import DEFAULT_BASE_URL, DashScopeEmbedder
 
         if key is None:
             raise ValueError("RAGSTREAM_EMBEDDER_API_KEY is required for the dashscope provider")
@@ -24,7 +24,7 @@ def create_embedder(settings: EmbeddingSettings) -> Embedder:
             api_key=key,
             model=settings.model or "text-embedding-v3",
             dimension=settings.dimension or 1024,
-            **({"base_url": settings.base_url} if settings.base_url else {}),
+            base_url=settings.base_url or DEFAULT_BASE_URL,
         )
     from ragstream.embedding.openai_compatible import OpenAICompatibleEmbedder
 

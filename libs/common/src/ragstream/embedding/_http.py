@@ -191,9 +191,7 @@ class RemoteEmbeddingClient:
 
     def error(self, message: str, *, retryable: bool) -> EmbeddingError:
         """Build the public error, prefixed with the provider and never carrying a secret."""
-        return EmbeddingError(
-            self.redact(f"{self.provider}: {message}"), retryable=retryable, provider=self.provider
-        )
+        return EmbeddingError(self.redact(f"{self.provider}: {message}"), retryable=retryable, provider=self.provider)
 
     def malformed(self, reason: str, request_id: object) -> EmbeddingError:
         """A 2xx answer that cannot be used.
@@ -212,9 +210,7 @@ class RemoteEmbeddingClient:
                     return await self._post_once(path, payload)
         except TransientError as exc:
             attempts = self._retry.max_retries + 1
-            raise self.error(
-                f"gave up after {attempts} attempt(s): {exc}", retryable=True
-            ) from None
+            raise self.error(f"gave up after {attempts} attempt(s): {exc}", retryable=True) from None
         raise AssertionError("unreachable: tenacity either returns or re-raises")
 
     async def _post_once(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -222,9 +218,7 @@ class RemoteEmbeddingClient:
             try:
                 response = await self._http().post(path, json=payload)
             except httpx.TimeoutException as exc:
-                raise TransientError(
-                    f"timed out after {self._timeout_s}s ({type(exc).__name__})"
-                ) from None
+                raise TransientError(f"timed out after {self._timeout_s}s ({type(exc).__name__})") from None
             except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
                 raise TransientError(f"connection failed ({type(exc).__name__}: {exc})") from None
         if response.is_success:
@@ -243,9 +237,7 @@ class RemoteEmbeddingClient:
         except ValueError:
             body = None
         if not isinstance(body, dict):
-            raise self.error(
-                f"HTTP {response.status_code} answer is not a JSON object", retryable=False
-            ) from None
+            raise self.error(f"HTTP {response.status_code} answer is not a JSON object", retryable=False) from None
         return body
 
     def _log_retry(self, state: RetryCallState) -> None:

@@ -8,7 +8,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["EmbeddingError", "Embedder", "TextKind", "Vectors"]
+__all__ = ["Embedder", "EmbeddingError", "TextKind", "Vectors"]
 
 TextKind = Literal["document", "query"]
 Vectors = npt.NDArray[np.float32]

@@ -43,9 +43,7 @@ _PROVIDER = "dashscope"
 def _request_id(response: httpx.Response, body: object) -> str | None:
     if isinstance(body, dict) and isinstance(body.get("request_id"), str):
         return str(body["request_id"])
-    header: str | None = response.headers.get("x-request-id") or response.headers.get(
-        "x-dashscope-request-id"
-    )
+    header: str | None = response.headers.get("x-request-id") or response.headers.get("x-dashscope-request-id")
     return header
 
 

@@ -54,10 +54,8 @@ def parse_openai_error(response: httpx.Response) -> ErrorInfo:
         status=response.status_code,
         # A numeric code (vLLM) only repeats the status; the ``type`` then says more.
         code=_first_str(code, detail.get("type"), body.get("error_type")) or "",
-        message=_first_str(detail.get("message"), error, body.get("detail"))
-        or response.reason_phrase,
-        request_id=_first_str(body.get("request_id"), detail.get("request_id"))
-        or response.headers.get("x-request-id"),
+        message=_first_str(detail.get("message"), error, body.get("detail")) or response.reason_phrase,
+        request_id=_first_str(body.get("request_id"), detail.get("request_id")) or response.headers.get("x-request-id"),
     )
 
 

@@ -81,7 +81,9 @@ class FetchService:
             return True
         header_id = document_id(self._connector.connection_id, item.external_id)
         if item.size is not None and item.size > self._max_bytes:
-            await self._fail(item, header_id, ParseErrorCode.TOO_LARGE, f"{item.size} bytes is over the limit of {self._max_bytes}")
+            await self._fail(
+                item, header_id, ParseErrorCode.TOO_LARGE, f"{item.size} bytes is over the limit of {self._max_bytes}"
+            )
             counts.failed += 1
             return True
         try:

@@ -112,7 +112,9 @@ class DocumentStore:
                     f"CREATE TABLE {table} (chunk_id text PRIMARY KEY REFERENCES chunks (id) ON DELETE CASCADE,"
                     f" embedding vector({dimension}) NOT NULL)"
                 )
-                await connection.execute(f"CREATE INDEX {table}_hnsw ON {table} USING hnsw (embedding vector_cosine_ops)")
+                await connection.execute(
+                    f"CREATE INDEX {table}_hnsw ON {table} USING hnsw (embedding vector_cosine_ops)"
+                )
                 await connection.execute(
                     "INSERT INTO embedding_spaces (model_key, dimension, table_name) VALUES ($1, $2, $3)",
                     model_key,
@@ -230,7 +232,9 @@ class DocumentStore:
         """Drop what the committed version supersedes. The committed version's own staged content is
         kept (unless deleted) so a replay of ``doc.changed`` can rebuild an index from it."""
         for table in ("pending_batches", "document_failures"):
-            await connection.execute(f"DELETE FROM {table} WHERE document_id = $1 AND version <= $2", document_id, version)
+            await connection.execute(
+                f"DELETE FROM {table} WHERE document_id = $1 AND version <= $2", document_id, version
+            )
         await connection.execute(
             f"DELETE FROM staged_documents WHERE document_id = $1 AND version {'<' if keep_staged else '<='} $2",
             document_id,
@@ -247,7 +251,8 @@ class DocumentStore:
     ) -> Failure:
         """Record why a version did not index; the retry count grows while the same version keeps failing."""
         row = await self._pool.fetchrow(
-            "INSERT INTO document_failures (document_id, connection_id, source, version, step, code, message, retryable)"
+            "INSERT INTO document_failures"
+            " (document_id, connection_id, source, version, step, code, message, retryable)"
             " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
             " ON CONFLICT (document_id) DO UPDATE SET source = EXCLUDED.source, step = EXCLUDED.step,"
             " code = EXCLUDED.code, message = EXCLUDED.message, retryable = EXCLUDED.retryable, failed_at = now(),"
@@ -264,7 +269,9 @@ class DocumentStore:
             retryable,
         )
         assert row is not None
-        return Failure(header.document_id, header.source, header.version, step, code, message, retryable, row["retry_count"])
+        return Failure(
+            header.document_id, header.source, header.version, step, code, message, retryable, row["retry_count"]
+        )
 
     async def failures(self, connection_id: str) -> list[Failure]:
         rows = await self._pool.fetch(
@@ -273,6 +280,15 @@ class DocumentStore:
             connection_id,
         )
         return [
-            Failure(r["document_id"], r["source"], r["version"], r["step"], r["code"], r["message"], r["retryable"], r["retry_count"])
+            Failure(
+                r["document_id"],
+                r["source"],
+                r["version"],
+                r["step"],
+                r["code"],
+                r["message"],
+                r["retryable"],
+                r["retry_count"],
+            )
             for r in rows
         ]

@@ -90,12 +90,9 @@ class EmbeddedPostgres:
         port = self.port or _free_port(self._configured_port())
         socket_dir = str(self.data_dir).replace("'", "''")
         (self.data_dir / _CONF).write_text(
-            f"port = {port}\nlisten_addresses = '127.0.0.1'\n"
-            f"unix_socket_directories = '{socket_dir}'\nfsync = on\n"
+            f"port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{socket_dir}'\nfsync = on\n"
         )
-        self._run(
-            "pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w"
-        )
+        self._run("pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w")
         self._running_port = port
         where = ["-h", "127.0.0.1", "-p", str(port), "-U", _SUPERUSER, "-d", "postgres"]
         sql = "CREATE EXTENSION IF NOT EXISTS vector"
@@ -187,9 +184,7 @@ def _unprivileged_account() -> tuple[int, int]:
         except KeyError:
             continue
         return entry.pw_uid, entry.pw_gid
-    raise EmbeddedPostgresError(
-        "as root, an unprivileged account is needed: useradd --system ragstream"
-    )
+    raise EmbeddedPostgresError("as root, an unprivileged account is needed: useradd --system ragstream")
 
 
 @functools.cache

@@ -82,7 +82,13 @@ class SearchStore:
         )
         return {
             row["id"]: ChunkRecord(
-                row["id"], row["document_id"], row["connection_id"], row["title"], row["source"], row["heading"], row["text"]
+                row["id"],
+                row["document_id"],
+                row["connection_id"],
+                row["title"],
+                row["source"],
+                row["heading"],
+                row["text"],
             )
             for row in rows
         }
