@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
+
+from ragstream.storage.embedded_postgres import EmbeddedPostgres
 
 
 @pytest.mark.integration
@@ -59,3 +65,17 @@ async def test_kafka_produce_and_consume(kafka_bootstrap: str) -> None:
         await consumer.stop()
     assert (message.key, message.value) == (b"doc-1", b"hello")
     assert partitions == {0, 1, 2}  # num.partitions=3
+
+
+def test_a_private_data_dir_still_gets_a_cluster_the_server_account_can_reach() -> None:
+    private = Path(tempfile.mkdtemp(prefix="ragstream-private-"))  # mode 0700, like /root
+    try:
+        server = EmbeddedPostgres(private / "postgres")
+        # Root runs the server as an unprivileged account, which cannot enter a 0700 folder.
+        expected = Path("/var/lib/ragstream/clusters") if os.geteuid() == 0 else private
+        assert server.data_dir.parent == expected
+        with server:
+            assert server.dsn.startswith("postgresql://")
+    finally:
+        shutil.rmtree(server.data_dir, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)

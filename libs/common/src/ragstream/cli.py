@@ -140,3 +140,7 @@ def up(
             runtime, [path.resolve() for path in source or []], host, port, sync_interval, _sync_folder
         )
     )
+
+
+if __name__ == "__main__":
+    app()

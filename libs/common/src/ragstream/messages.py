@@ -160,7 +160,6 @@ def pack_vectors(vectors: Vectors) -> bytes:
 
 
 def unpack_vectors(data: bytes, dimension: int) -> Vectors:
-    flat = np.frombuffer(data, dtype="<f4")
-    if flat.size % dimension:
-        raise ValueError(f"{flat.size} floats do not split into vectors of {dimension}")
-    return flat.reshape(-1, dimension).astype(np.float32)
+    if len(data) % (4 * dimension):
+        raise ValueError(f"{len(data)} bytes do not split into float32 vectors of {dimension}")
+    return np.frombuffer(data, dtype="<f4").reshape(-1, dimension).astype(np.float32)

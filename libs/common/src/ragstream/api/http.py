@@ -57,7 +57,12 @@ def create_app(
         async def syncs() -> dict[str, Any]:
             """Progress of the latest sync of each source: counts, rate in documents per second."""
             return {
-                connection: {**asdict(progress), "failed": progress.failed, "rate": round(progress.rate, 2)}
+                connection: {
+                    **asdict(progress),
+                    "done": progress.done,
+                    "failed": progress.failed,
+                    "rate": round(progress.rate, 2),
+                }
                 for connection, progress in progress_of().items()
             }
 

@@ -10,6 +10,7 @@ read (a virtualenv under /root is not readable).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -29,6 +30,8 @@ __all__ = ["EmbeddedPostgres", "EmbeddedPostgresError"]
 
 # As root: world-readable copies of the binaries, one per pgserver version.
 _SHARED_INSTALL = Path("/var/tmp/ragstream-pginstall")
+# As root: clusters whose requested data dir the server account cannot reach.
+_RELOCATED = Path("/var/lib/ragstream/clusters")
 # As root: the first of these accounts that exists runs the server.
 _RUN_AS = ("ragstream", "nobody")
 # Included by postgresql.conf, rewritten on each start (port, socket path may change).
@@ -49,9 +52,11 @@ class EmbeddedPostgres:
         # Resolved: a running server is recognised by this path in its command line.
         self.data_dir = Path(data_dir).resolve()
         self.port = port
-        self._log = self.data_dir / "postgres.log"
         self._running_port: int | None = None
         self._account = _unprivileged_account() if os.geteuid() == 0 else None
+        if self._account:
+            self.data_dir = _reachable_cluster_dir(self.data_dir)
+        self._log = self.data_dir / "postgres.log"
         self._setpriv: list[str] = []
         if self._account:
             user, group = self._account
@@ -169,12 +174,28 @@ class EmbeddedPostgres:
 
     def _check_reachable(self) -> None:
         """Fail early and clearly when the server account cannot reach the data dir."""
-        for parent in self.data_dir.parents:
-            if not parent.stat().st_mode & stat.S_IXOTH:
-                raise EmbeddedPostgresError(
-                    f"{parent} is not searchable by others, so the server account "
-                    f"cannot reach {self.data_dir}: use a folder under e.g. /var/tmp"
-                )
+        if blocked := _unsearchable_parent(self.data_dir):
+            raise EmbeddedPostgresError(
+                f"{blocked} is not searchable by others, so the server account "
+                f"cannot reach {self.data_dir}: use a folder under e.g. /var/tmp"
+            )
+
+
+def _unsearchable_parent(path: Path) -> Path | None:
+    existing = [parent for parent in path.parents if parent.exists()]
+    return next((parent for parent in existing if not parent.stat().st_mode & stat.S_IXOTH), None)
+
+
+def _reachable_cluster_dir(data_dir: Path) -> Path:
+    """As root, a data dir under a private folder (``/root/...``) cannot be reached by the server
+    account; the cluster then lives under ``/var/lib/ragstream/clusters``, one folder per requested
+    data dir, instead of loosening the permissions of the user's folders."""
+    if _unsearchable_parent(data_dir) is None:
+        return data_dir
+    key = hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+    _RELOCATED.mkdir(parents=True, exist_ok=True)
+    _RELOCATED.chmod(0o755)
+    return _RELOCATED / key
 
 
 def _unprivileged_account() -> tuple[int, int]:

@@ -1,0 +1,99 @@
+"""The ``ragstream`` command as a user runs it: ingest with progress and exit codes, search, up."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+RAGSTREAM = [sys.executable, "-m", "ragstream.cli"]
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RAGSTREAM, *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+def test_ingest_reports_progress_and_failures_then_search(database_url: str, corpus: Path, tmp_path: Path) -> None:
+    env = {"DATABASE_URL": database_url, "COLUMNS": "160"}
+    (corpus / "runbook.md").write_text("# Runbook\n\n## Paging\n\nThe pager hands over every Tuesday at 10:00.\n")
+    (corpus / "制度.md").write_text("# 报销制度\n\n报销单需在费用发生后三十天内提交。\n")
+
+    first = run(["ingest", str(corpus)], env)
+    assert first.returncode == 0, first.stderr
+    assert "2/2" in first.stderr and "docs/s" in first.stderr and "ETA" in first.stderr
+    assert "2 indexed" in first.stderr
+
+    (corpus / "broken.md").write_bytes(b"\xff\xfe\x00\x00binary")
+    second = run(["ingest", str(corpus)], env)
+    assert second.returncode == 1
+    assert "2 unchanged" in second.stderr and "broken.md" in second.stderr and "binary" in second.stderr
+
+    found = run(["search", "pager handover Tuesday", "--json", "--top-k", "3"], env)
+    assert found.returncode == 0, found.stderr
+    top = json.loads(found.stdout)["results"][0]
+    assert (top["source"], top["rank"], top["citation_index"]) == ("runbook.md", 1, 1)
+
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text('{"id": "en", "query": "pager Tuesday"}\n\n{"id": "zh", "query": "报销单 提交 期限"}\n')
+    batch = run(["search", "--batch", str(queries), "--json", "--top-k", "1"], env)
+    assert batch.returncode == 0, batch.stderr
+    lines = [json.loads(line) for line in batch.stdout.splitlines()]
+    assert [(line["id"], line["results"][0]["source"]) for line in lines] == [("en", "runbook.md"), ("zh", "制度.md")]
+
+    assert run(["search"], env).returncode != 0
+
+
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    # Under /tmp, not pytest's tmp_path: as root the embedded server runs as an unprivileged user.
+    folder = Path(tempfile.mkdtemp(prefix="ragstream-up-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
+    env["RAGSTREAM_DATA_DIR"] = str(data_dir)
+    process = subprocess.Popen(
+        [*RAGSTREAM, "up", "--source", str(REPO / "examples" / "knowledge-base"), "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        sources: list[str] = []
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                progress = httpx.get(f"{base}/v1/syncs", timeout=5).json()
+                if progress and all(p["listing_done"] and p["done"] == p["listed"] for p in progress.values()):
+                    response = httpx.post(f"{base}/v1/search", json={"query": "出差住宿标准是多少？"}, timeout=30)
+                    sources = [result["source"] for result in response.json()["results"]]
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+        assert sources and sources[0] == "zh/chailv-biaozhun.md"
+        assert (data_dir / "postgres" / "PG_VERSION").exists()
+    finally:
+        process.terminate()
+        process.wait(30)
