@@ -101,6 +101,17 @@ def test_ingest_edit_delete_through_kafka(services: dict[str, ServiceProcess], t
     assert {"rank", "score", "citation_index", "document_id", "title", "source", "heading", "text"} <= set(result)
     assert (result["title"], result["source"]) == ("Alpha", "alpha.md")
 
+    for stage, topic in (("chunker", "doc.changed"), ("embedder", "doc.chunked"), ("indexer", "chunk.embedded")):
+        metrics = httpx.get(f"{services[stage].url}/metrics", timeout=10).text
+        assert f'ragstream_messages_in_total{{stage="{stage}",topic="{topic}"}}' in metrics
+        lag = [line for line in metrics.splitlines() if line.startswith("ragstream_consumer_lag{")]
+        assert any(f'group="ragstream-{stage}"' in line and f'topic="{topic}"' in line for line in lag), lag
+        assert f'ragstream_stage_seconds_count{{stage="{stage}"}}' in metrics
+    assert (
+        'ragstream_messages_out_total{stage="connector-fetcher",topic="doc.changed"}'
+        in httpx.get(f"{fetcher.url}/metrics/", timeout=10).text
+    )
+
     (folder / "alpha.md").write_text("# Alpha\n\nThe frobnicator moved to the snorkelgate subnet.\n")
     trigger_sync(fetcher, folder)
     wait_until(lambda: found(retriever, folder, "snorkelgate") == ["alpha.md"], what="edit indexed")

@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragstream.embedding.base import EmbeddingError
+from ragstream.messages import DocumentHeader
+from ragstream.metrics import DOCUMENTS_FAILED
 from ragstream.parsing import ParseError
+from ragstream.storage.documents import DocumentStore, Failure
 
-__all__ = ["StageFailure", "classify"]
+__all__ = ["StageFailure", "classify", "record_failure"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +33,11 @@ def classify(error: Exception) -> StageFailure:
     if isinstance(error, EmbeddingError):
         return StageFailure("embedding_failed", str(error), retryable=error.retryable)
     return StageFailure(type(error).__name__, str(error) or repr(error), retryable=True)
+
+
+async def record_failure(store: DocumentStore, header: DocumentHeader, step: str, failure: StageFailure) -> Failure:
+    """Persist the failure as a row (the source of truth for reports) and count it in the metrics."""
+    DOCUMENTS_FAILED.labels(step, failure.code).inc()
+    return await store.record_failure(
+        header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable
+    )

@@ -6,6 +6,7 @@ Stage logic never imports this module; services wrap stages with it, the embedde
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -16,6 +17,8 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
 from faststream.middlewares import AckPolicy
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
 
 from ragstream.messages import DocumentChanged, DocumentDeleted, Topic
@@ -42,15 +45,15 @@ class ConsumerLagMiddleware(BaseMiddleware):
     """Exports how far each consumed partition is behind its end, from the consumer's own fetch
     metadata, so it costs no extra request."""
 
-    async def on_receive(self) -> None:
-        record = self.msg
-        consumer = getattr(record, "consumer", None)
+    async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
+        record = msg.raw_message
+        consumer = getattr(msg, "consumer", None)
         if isinstance(consumer, AIOKafkaConsumer) and isinstance(record, ConsumerRecord):
             end = consumer.highwater(TopicPartition(record.topic, record.partition))
             if end is not None:
                 group = getattr(consumer, "_group_id", None) or "none"
                 CONSUMER_LAG.labels(group, record.topic, str(record.partition)).set(max(0, end - record.offset - 1))
-        await super().on_receive()
+        return await call_next(msg)
 
 
 def consumer_options(settings: Settings, service: str) -> dict[str, Any]:
@@ -76,7 +79,11 @@ def create_broker(bootstrap_servers: str, service: str) -> KafkaBroker:
         max_request_size=1024 * 1024,
         middlewares=(
             ConsumerLagMiddleware,
-            KafkaTelemetryMiddleware(),
+            # A recording SDK provider, so every published message carries a W3C traceparent header
+            # and a document can be followed from fetcher to indexer in logs and traces.
+            KafkaTelemetryMiddleware(
+                tracer_provider=TracerProvider(resource=Resource.create({"service.name": f"ragstream-{service}"}))
+            ),
             KafkaPrometheusMiddleware(registry=REGISTRY, app_name=f"ragstream_{service.replace('-', '_')}"),
         ),
     )

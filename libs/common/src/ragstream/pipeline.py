@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragstream.connectors.base import Connector
-from ragstream.failures import classify
+from ragstream.failures import classify, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, IndexOutcome
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
@@ -148,8 +148,5 @@ class EmbeddedPipeline:
                     progress.chunks += indexed.chunk_count
             return True
         except Exception as error:  # one document's failure must not stop the sync; it is recorded
-            failure = classify(error)
-            await self._store.record_failure(
-                message.header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable
-            )
+            await record_failure(self._store, message.header, step, classify(error))
         return False

@@ -21,10 +21,9 @@ from faststream.asgi import AsgiFastStream, AsgiResponse, get, make_ping_asgi
 from faststream.kafka import KafkaBroker
 from prometheus_client import make_asgi_app
 
-from ragstream.failures import classify
+from ragstream.failures import classify, record_failure
 from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
 from ragstream.messages import DeadLetter, DocumentHeader, Topic
-from ragstream.metrics import DOCUMENTS_FAILED
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 
@@ -63,10 +62,7 @@ class ServiceContext:
             await asyncio.sleep(_REDELIVERY_PAUSE_S)
             raise error
         failure = classify(error)
-        recorded = await self.runtime.store.record_failure(
-            header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable
-        )
-        DOCUMENTS_FAILED.labels(step, failure.code).inc()
+        recorded = await record_failure(self.runtime.store, header, step, failure)
         logger.warning("document %s failed at %s: %s", header.source, step, failure.code)
         dead = DeadLetter(
             header=header,

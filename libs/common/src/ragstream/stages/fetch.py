@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ragstream.connectors.base import Connector, DocumentVanished, SourceItem
+from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
 from ragstream.storage.documents import CommittedDocument, DocumentStore, document_id
@@ -122,7 +123,7 @@ class FetchService:
     async def _fail(self, item: SourceItem, header_id: str, code: str, message: str) -> None:
         version = await self._store.next_version()
         header = self._header(item, header_id, version, "")
-        await self._store.record_failure(header, step="fetch", code=code, message=message, retryable=False)
+        await record_failure(self._store, header, "fetch", StageFailure(code, message, retryable=False))
 
     async def _announce_deleted(self, gone: CommittedDocument, sink: ChangeSink) -> None:
         await sink.deleted(
