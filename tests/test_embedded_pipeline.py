@@ -11,7 +11,7 @@ import pytest
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
 from ragstream.pipeline import SyncReport
-from ragstream.retrieval import SearchRequest
+from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,9 @@ async def sources_for(runtime: Runtime, folder: Path, query: str) -> list[str]:
 
     The vector leg always returns neighbours, so "found" means the text itself came back."""
     connection = FolderConnector(folder).connection_id
-    response = await runtime.retriever.search(SearchRequest(query=query, connection_ids=[connection]))
+    response = await runtime.retriever.search(
+        SearchRequest(query=query, filters=SearchFilters(connection_ids=[connection]))
+    )
     term = query.split()[0].lower()
     return [result.source for result in response.results if term in result.text.lower()]
 

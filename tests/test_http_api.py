@@ -31,7 +31,7 @@ async def test_search_returns_the_contract_fields(runtime: Runtime, corpus: Path
             json={
                 "query": "orderbook retention",
                 "top_k": 2,
-                "connection_ids": scope,
+                "filters": {"connection_ids": scope},
             },
         )
         assert response.status_code == 200

@@ -66,7 +66,7 @@ def trigger_sync(fetcher: ServiceProcess, folder: Path) -> None:
 def search(retriever: ServiceProcess, folder: Path, query: str) -> list[dict[str, object]]:
     response = httpx.post(
         f"{retriever.url}/v1/search",
-        json={"query": query, "connection_ids": [FolderConnector(folder).connection_id]},
+        json={"query": query, "filters": {"connection_ids": [FolderConnector(folder).connection_id]}},
         timeout=30,
     )
     response.raise_for_status()

@@ -72,6 +72,15 @@ class DocumentHeader(BaseModel):
     source_version: Annotated[
         str | None, Field(title="Cheap version at the origin", description="mtime+size, revision, ...")
     ] = None
+    knowledge_base: Annotated[str, Field(title="Knowledge base", description="Space, repo or folder name.")] = ""
+    url: Annotated[str | None, Field(title="Link to the original", description="Shown on source cards.")] = None
+    acl: Annotated[
+        list[str] | None,
+        Field(title="Allowed principals", description="'user:<id>' or 'group:<id>'; None: everyone."),
+    ] = None
+    metadata: Annotated[
+        dict[str, str | int | float | bool], Field(title="Metadata", description="Filterable key/value pairs.")
+    ] = {}
 
 
 class DocumentChanged(_Message):

@@ -12,11 +12,12 @@ from ragstream.chunking import MarkdownChunker
 from ragstream.embedding import Embedder, create_embedder
 from ragstream.parsing import Parser
 from ragstream.pipeline import EmbeddedPipeline
-from ragstream.retrieval import HybridRetriever
+from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.settings import Settings
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
+from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
@@ -78,7 +79,14 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
             ),
             embed=EmbedService(embedder),
             indexer=IndexService(store),
-            retriever=HybridRetriever(SearchStore(pool, ef_search=settings.hnsw_ef_search), embedder),
+            retriever=HybridRetriever(
+                SearchStore(pool, ef_search=settings.hnsw_ef_search),
+                embedder,
+                CitationStore(pool),
+                settings=RetrievalSettings(
+                    vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
+                ),
+            ),
         )
     finally:
         await embedder.aclose()

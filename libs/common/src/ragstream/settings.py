@@ -59,5 +59,7 @@ class Settings(BaseSettings):
     ] = 16 * 1024 * 1024
     embed_batch_chunks: Annotated[int, Field(title="Chunks per embedding call in the embedded runner", ge=1)] = 64
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
+    rrf_vector_weight: Annotated[float, Field(title="RRF weight of the vector leg", ge=0)] = 1.0
+    rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 1.0
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)

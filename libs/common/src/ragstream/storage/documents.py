@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,12 +165,13 @@ class DocumentStore:
         async with self._pool.acquire() as connection, connection.transaction():
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
-                " source_version, version, status, chunk_count, indexed_at)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'indexed', $10, now())"
+                " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'indexed', $10, $11, $12, $13, now())"
                 " ON CONFLICT (id) DO UPDATE SET title = EXCLUDED.title, source = EXCLUDED.source,"
                 " media_type = EXCLUDED.media_type, content_hash = EXCLUDED.content_hash,"
                 " source_version = EXCLUDED.source_version, version = EXCLUDED.version, status = 'indexed',"
-                " chunk_count = EXCLUDED.chunk_count, indexed_at = now()"
+                " chunk_count = EXCLUDED.chunk_count, knowledge_base = EXCLUDED.knowledge_base,"
+                " url = EXCLUDED.url, metadata = EXCLUDED.metadata, indexed_at = now()"
                 " WHERE documents.version < EXCLUDED.version RETURNING id",
                 header.document_id,
                 header.connection_id,
@@ -181,16 +183,21 @@ class DocumentStore:
                 header.source_version,
                 header.version,
                 len(chunks),
+                header.knowledge_base,
+                header.url,
+                json.dumps(header.metadata),
             )
             if updated is None:
                 return IndexOutcome.STALE
             await connection.execute("DELETE FROM chunks WHERE document_id = $1", header.document_id)
             await connection.execute(
-                "INSERT INTO chunks (id, document_id, ordinal, heading, text, search_vector)"
-                " SELECT id, $1, ordinal, heading, text,"
-                " setweight(to_tsvector('english', head), 'A') || to_tsvector('english', body)"
-                " FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[])"
-                " AS t(id, ordinal, heading, text, head, body)",
+                "INSERT INTO chunks (id, document_id, ordinal, heading, text, search_vector, lexeme_count, acl)"
+                " SELECT id, $1, ordinal, heading, text, sv,"
+                " (SELECT coalesce(sum(cardinality(lexeme.positions)), 0) FROM unnest(sv) AS lexeme), $8::text[]"
+                " FROM (SELECT id, ordinal, heading, text,"
+                "  setweight(to_tsvector('english', head), 'A') || to_tsvector('english', body) AS sv"
+                "  FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[])"
+                "  AS t(id, ordinal, heading, text, head, body)) AS prepared",
                 header.document_id,
                 ids,
                 [chunk.ordinal for chunk in chunks],
@@ -198,6 +205,7 @@ class DocumentStore:
                 [chunk.text for chunk in chunks],
                 [segment(f"{header.title} {chunk.heading}") for chunk in chunks],
                 [segment(chunk.text) for chunk in chunks],
+                header.acl,
             )
             await connection.copy_records_to_table(
                 table, records=list(zip(ids, list(vectors), strict=True)), columns=["chunk_id", "embedding"]

@@ -1,4 +1,4 @@
-"""The two retrieval legs as SQL: nearest vectors by cosine (HNSW) and keyword matches (GIN tsvector)."""
+"""The two retrieval legs as SQL, both restricted by the same ``Scope``, and the chunk read-back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncpg
 import numpy as np
 
 from ragstream.embedding.base import Vectors
+from ragstream.storage.scope import Scope
 
 __all__ = ["ChunkRecord", "SearchStore"]
 
@@ -19,7 +20,7 @@ _TSQUERY = """
         SELECT '(' || plainto_tsquery('english', term)::text || ')'
         FROM unnest($1::text[]) AS term
         WHERE plainto_tsquery('english', term)::text <> ''
-    ), ' | '), '')::tsquery
+    ), ' | '), '')::tsquery AS query
 """
 
 
@@ -28,8 +29,11 @@ class ChunkRecord:
     chunk_id: str
     document_id: str
     connection_id: str
+    platform: str
+    knowledge_base: str
     title: str
     source: str
+    url: str | None
     heading: str
     text: str
 
@@ -43,41 +47,37 @@ class SearchStore:
         value = await self._pool.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
         return str(value) if value is not None else None
 
-    async def vector_leg(
-        self, table: str, query_vector: Vectors, limit: int, connection_ids: Sequence[str] | None
-    ) -> list[str]:
-        """Chunk ids nearest to the query; ef_search above ``limit`` so filtering still leaves enough."""
+    async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[str]:
+        """Chunk ids nearest to the query within the scope."""
         async with self._pool.acquire() as connection, connection.transaction():
             await connection.execute(f"SET LOCAL hnsw.ef_search = {max(self._ef_search, limit)}")
             rows = await connection.fetch(
-                f"SELECT c.id FROM {table} e JOIN chunks c ON c.id = e.chunk_id"
-                " JOIN documents d ON d.id = c.document_id"
-                " WHERE d.status = 'indexed' AND ($3::text[] IS NULL OR d.connection_id = ANY($3))"
-                " ORDER BY e.embedding <=> $1 LIMIT $2",
+                f"SELECT c.id FROM {table} e JOIN chunks c ON c.id = e.chunk_id {scope.joins}"
+                f" WHERE {scope.sql} ORDER BY e.embedding <=> $1 LIMIT $2",
                 np.asarray(query_vector, dtype=np.float32),
                 limit,
-                list(connection_ids) if connection_ids is not None else None,
+                *scope.params,
             )
         return [row["id"] for row in rows]
 
-    async def keyword_leg(self, terms: Sequence[str], limit: int, connection_ids: Sequence[str] | None) -> list[str]:
+    async def keyword_leg(self, terms: Sequence[str], limit: int, scope: Scope) -> list[str]:
         if not terms:
             return []
         rows = await self._pool.fetch(
-            f"WITH q AS ({_TSQUERY}) SELECT c.id FROM q, chunks c JOIN documents d ON d.id = c.document_id"
-            " WHERE q IS NOT NULL AND c.search_vector @@ (SELECT * FROM q) AND d.status = 'indexed'"
-            " AND ($3::text[] IS NULL OR d.connection_id = ANY($3))"
-            " ORDER BY ts_rank_cd(c.search_vector, (SELECT * FROM q)) DESC, c.id LIMIT $2",
+            f"WITH q AS ({_TSQUERY}) SELECT c.id FROM q, chunks c {scope.joins}"
+            f" WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope.sql}"
+            " ORDER BY ts_rank_cd(c.search_vector, q.query) DESC, c.id LIMIT $2",
             list(terms),
             limit,
-            list(connection_ids) if connection_ids is not None else None,
+            *scope.params,
         )
         return [row["id"] for row in rows]
 
     async def chunks(self, chunk_ids: Sequence[str]) -> dict[str, ChunkRecord]:
         rows = await self._pool.fetch(
-            "SELECT c.id, c.document_id, d.connection_id, d.title, d.source, c.heading, c.text"
-            " FROM chunks c JOIN documents d ON d.id = c.document_id WHERE c.id = ANY($1::text[])",
+            "SELECT c.id, c.document_id, d.connection_id, k.platform, d.knowledge_base, d.title, d.source, d.url,"
+            " c.heading, c.text FROM chunks c JOIN documents d ON d.id = c.document_id"
+            " JOIN connections k ON k.id = d.connection_id WHERE c.id = ANY($1::text[])",
             list(chunk_ids),
         )
         return {
@@ -85,8 +85,11 @@ class SearchStore:
                 row["id"],
                 row["document_id"],
                 row["connection_id"],
+                row["platform"],
+                row["knowledge_base"],
                 row["title"],
                 row["source"],
+                row["url"],
                 row["heading"],
                 row["text"],
             )

@@ -1,0 +1,83 @@
+"""Request and response of a search: what callers send, and what a source card needs back."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = ["ChatTurn", "Principal", "SearchFilters", "SearchRequest", "SearchResponse", "SearchResult"]
+
+MetadataValue = str | int | float | bool
+
+
+class Principal(BaseModel):
+    """Who is asking; a chunk whose ACL names none of these principals is invisible to them."""
+
+    user: Annotated[str, Field(title="User id", min_length=1)]
+    groups: Annotated[list[str], Field(title="Group ids")] = []
+
+    def principals(self) -> list[str]:
+        return [f"user:{self.user}", *(f"group:{group}" for group in self.groups)]
+
+
+class SearchFilters(BaseModel):
+    """Scope of a search; every list narrows it, an empty or missing list does not."""
+
+    connection_ids: Annotated[list[str] | None, Field(title="Only these connections")] = None
+    platforms: Annotated[list[str] | None, Field(title="Only these platforms", description="folder, feishu, ...")] = (
+        None
+    )
+    knowledge_bases: Annotated[list[str] | None, Field(title="Only these knowledge bases")] = None
+    sources: Annotated[list[str] | None, Field(title="Only these sources", description="Paths or URLs.")] = None
+    metadata: Annotated[
+        dict[str, MetadataValue] | None, Field(title="Metadata that must match", description="All pairs must match.")
+    ] = None
+
+
+class ChatTurn(BaseModel):
+    role: Literal["user", "assistant"]
+    content: Annotated[str, Field(max_length=20_000)]
+
+
+class SearchRequest(BaseModel):
+    query: Annotated[str, Field(title="Query", min_length=1, max_length=4000)]
+    top_k: Annotated[int, Field(title="Results to return", ge=1, le=30)] = 10
+    filters: Annotated[SearchFilters, Field(title="Scope")] = SearchFilters()
+    principal: Annotated[
+        Principal | None, Field(title="Caller", description="Without one, only unrestricted chunks are visible.")
+    ] = None
+    conversation_id: Annotated[
+        str | None,
+        Field(title="Conversation", description="Keeps citation numbers stable across calls.", max_length=200),
+    ] = None
+    history: Annotated[
+        list[ChatTurn], Field(title="Conversation so far", description="Used by the optional query rephraser.")
+    ] = []
+
+
+class SearchResult(BaseModel):
+    rank: Annotated[int, Field(title="1-based rank after fusion (and rerank)")]
+    score: Annotated[float, Field(title="Fused score, or the reranker's relevance")]
+    citation_index: Annotated[int, Field(title="Citation number", description="Same document, same number.")]
+    document_id: str
+    chunk_id: str
+    connection_id: str
+    platform: Annotated[str, Field(title="Platform of the connection")]
+    knowledge_base: Annotated[str, Field(title="Knowledge base name")]
+    title: str
+    source: Annotated[str, Field(title="Source", description="Path relative to the folder root, or the URL.")]
+    url: Annotated[str | None, Field(title="Link to the original")] = None
+    heading: Annotated[str, Field(title="Heading path of the chunk")]
+    text: Annotated[str, Field(title="Chunk text, cut to the context budget")]
+    preview: Annotated[str, Field(title="Matching paragraph preview", description="For source cards.")]
+    vector_rank: Annotated[int | None, Field(title="Rank in the vector leg")] = None
+    keyword_rank: Annotated[int | None, Field(title="Rank in the keyword leg")] = None
+
+
+class SearchResponse(BaseModel):
+    query: str
+    rewritten_query: Annotated[str | None, Field(title="Standalone question the rephraser produced")] = None
+    results: list[SearchResult]
+    reranked: Annotated[bool, Field(title="Whether a reranker ordered the results")] = False
+    took_ms: float

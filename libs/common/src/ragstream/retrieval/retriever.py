@@ -1,0 +1,157 @@
+"""Hybrid retrieval: scope → vector and keyword legs → RRF → optional rerank → budget → citations."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from ragstream.embedding.base import Embedder
+from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
+from ragstream.retrieval.fusion import RRF_K, reciprocal_rank_fusion
+from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
+from ragstream.retrieval.rephrase import QueryRephraser
+from ragstream.retrieval.rerank import Reranker
+from ragstream.segmentation import query_terms
+from ragstream.storage.citations import CitationStore
+from ragstream.storage.scope import Scope
+from ragstream.storage.search import ChunkRecord, SearchStore
+
+__all__ = ["HybridRetriever", "RetrievalSettings"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievalSettings:
+    leg_size: int = 30
+    rrf_k: int = RRF_K
+    vector_weight: float = 1.0
+    keyword_weight: float = 1.0
+    rerank_candidates: int = 30
+    rerank_timeout_s: float = 5.0
+    rephrase_timeout_s: float = 10.0
+
+
+class HybridRetriever:
+    def __init__(
+        self,
+        store: SearchStore,
+        embedder: Embedder,
+        citations: CitationStore,
+        *,
+        settings: RetrievalSettings | None = None,
+        reranker: Reranker | None = None,
+        rephraser: QueryRephraser | None = None,
+    ) -> None:
+        self._store = store
+        self._embedder = embedder
+        self._citations = citations
+        self._settings = settings or RetrievalSettings()
+        self._reranker = reranker
+        self._rephraser = rephraser
+
+    async def search(self, request: SearchRequest) -> SearchResponse:
+        started = time.perf_counter()
+        query = await self._standalone_query(request)
+        # Both legs put their own two parameters first, so one clause serves both.
+        scope = Scope.build(request.filters, request.principal, first_param=3)
+        terms = query_terms(query)
+        vector_ids, keyword_ids = await asyncio.gather(
+            self._vector_leg(query, scope), self._store.keyword_leg(terms, self._settings.leg_size, scope)
+        )
+        fused = reciprocal_rank_fusion(
+            [vector_ids, keyword_ids],
+            weights=[self._settings.vector_weight, self._settings.keyword_weight],
+            k=self._settings.rrf_k,
+        )
+        candidates = fused[: max(request.top_k, self._settings.rerank_candidates if self._reranker else 0)]
+        records = await self._store.chunks([chunk for chunk, _ in candidates])
+        # Deleted between the legs and the read-back: the next search will not see it either.
+        ranked = [(records[chunk], score) for chunk, score in candidates if chunk in records]
+        ranked, reranked = await self._rerank(query, ranked, request.top_k)
+        results = await self._results(request, ranked[: request.top_k], terms, vector_ids, keyword_ids)
+        return SearchResponse(
+            query=request.query,
+            rewritten_query=query if query != request.query else None,
+            results=results,
+            reranked=reranked,
+            took_ms=round((time.perf_counter() - started) * 1000, 2),
+        )
+
+    async def _standalone_query(self, request: SearchRequest) -> str:
+        if self._rephraser is None or not request.history:
+            return request.query
+        try:
+            async with asyncio.timeout(self._settings.rephrase_timeout_s):
+                return (await self._rephraser.rephrase(request.query, request.history)).strip() or request.query
+        except Exception as error:  # the raw question is still a usable query
+            logger.warning("query rephrasing failed, searching the raw query: %s", error)
+            return request.query
+
+    async def _vector_leg(self, query: str, scope: Scope) -> list[str]:
+        table = await self._store.embedding_table(self._embedder.model_key)
+        if table is None:
+            return []
+        vector = (await self._embedder.embed([query], kind="query"))[0]
+        return await self._store.vector_leg(table, vector, self._settings.leg_size, scope)
+
+    async def _rerank(
+        self, query: str, ranked: list[tuple[ChunkRecord, float]], top_k: int
+    ) -> tuple[list[tuple[ChunkRecord, float]], bool]:
+        if self._reranker is None or len(ranked) < 2:
+            return ranked, False
+        try:
+            async with asyncio.timeout(self._settings.rerank_timeout_s):
+                order = await self._reranker.rerank(query, [record.text for record, _ in ranked], top_k)
+            if not order or any(not 0 <= index < len(ranked) for index, _ in order):
+                raise ValueError("the reranker answered with unknown candidates")
+        except Exception as error:  # a reranker is an optimisation, never a reason to fail a search
+            logger.warning("rerank failed, keeping the fused order: %s", error)
+            return ranked, False
+        return [(ranked[index][0], score) for index, score in order], True
+
+    async def _results(
+        self,
+        request: SearchRequest,
+        ranked: list[tuple[ChunkRecord, float]],
+        terms: list[str],
+        vector_ids: list[str],
+        keyword_ids: list[str],
+    ) -> list[SearchResult]:
+        documents = list(dict.fromkeys(record.document_id for record, _ in ranked))
+        if request.conversation_id:
+            numbers = await self._citations.assign(request.conversation_id, documents)
+        else:
+            numbers = {document: index for index, document in enumerate(documents, start=1)}
+        vector_rank = {chunk: rank for rank, chunk in enumerate(vector_ids, start=1)}
+        keyword_rank = {chunk: rank for rank, chunk in enumerate(keyword_ids, start=1)}
+        results: list[SearchResult] = []
+        budget = MAX_CALL_CHARS
+        for record, score in ranked:
+            if budget <= 0:
+                break
+            text = truncate_text(record.text, min(MAX_RESULT_CHARS, budget))
+            budget -= len(text)
+            results.append(
+                SearchResult(
+                    rank=len(results) + 1,
+                    score=score,
+                    citation_index=numbers[record.document_id],
+                    document_id=record.document_id,
+                    chunk_id=record.chunk_id,
+                    connection_id=record.connection_id,
+                    platform=record.platform,
+                    knowledge_base=record.knowledge_base,
+                    title=record.title,
+                    source=record.source,
+                    url=record.url,
+                    heading=record.heading,
+                    text=text,
+                    preview=preview(record.text, terms),
+                    vector_rank=vector_rank.get(record.chunk_id),
+                    keyword_rank=keyword_rank.get(record.chunk_id),
+                )
+            )
+        return results

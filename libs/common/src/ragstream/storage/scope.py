@@ -1,0 +1,51 @@
+"""The WHERE clause every retrieval leg shares: scope filters and permissions, applied inside SQL.
+
+Filtering inside each leg, not after fusion, is what makes a forbidden chunk impossible to return,
+count or hint at: it never enters a ranking.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragstream.retrieval.models import Principal, SearchFilters
+
+__all__ = ["Scope"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """SQL over the aliases ``c`` (chunks), ``d`` (documents) and ``k`` (connections)."""
+
+    sql: str
+    params: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, filters: SearchFilters, principal: Principal | None, *, first_param: int) -> Scope:
+        """``first_param`` is the number of the first ``$n`` placeholder this clause may use."""
+        clauses = ["d.status = 'indexed'", "k.status = 'active'"]
+        params: list[Any] = []
+
+        def param(value: Any) -> str:
+            params.append(value)
+            return f"${first_param + len(params) - 1}"
+
+        principals = principal.principals() if principal else []
+        clauses.append(f"(k.skip_acl OR c.acl IS NULL OR c.acl && {param(principals)}::text[])")
+        for column, values in (
+            ("d.connection_id", filters.connection_ids),
+            ("k.platform", filters.platforms),
+            ("d.knowledge_base", filters.knowledge_bases),
+            ("d.source", filters.sources),
+        ):
+            if values is not None:
+                clauses.append(f"{column} = ANY({param(values)}::text[])")
+        if filters.metadata:
+            clauses.append(f"d.metadata @> {param(json.dumps(filters.metadata))}::jsonb")
+        return cls(" AND ".join(clauses), params)
+
+    @property
+    def joins(self) -> str:
+        return "JOIN documents d ON d.id = c.document_id JOIN connections k ON k.id = d.connection_id"
