@@ -28,8 +28,9 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 def test_ingest_reports_progress_and_failures_then_search(database_url: str, corpus: Path, tmp_path: Path) -> None:
     env = {"DATABASE_URL": database_url, "COLUMNS": "160"}
-    (corpus / "runbook.md").write_text("# Runbook\n\n## Paging\n\nThe pager hands over every Tuesday at 10:00.\n")
-    (corpus / "制度.md").write_text("# 报销制度\n\n报销单需在费用发生后三十天内提交。\n")
+    # Words no other test indexes: the CLI searches every connection of the shared test database.
+    (corpus / "runbook.md").write_text("# Runbook\n\n## Paging\n\nThe quillwhistle pager hands over on Tuesdays.\n")
+    (corpus / "制度.md").write_text("# 差旅制度\n\n蜂鸟报销单需在费用发生后三十天内提交。\n")
 
     first = run(["ingest", str(corpus)], env)
     assert first.returncode == 0, first.stderr
@@ -41,13 +42,13 @@ def test_ingest_reports_progress_and_failures_then_search(database_url: str, cor
     assert second.returncode == 1
     assert "2 unchanged" in second.stderr and "broken.md" in second.stderr and "binary" in second.stderr
 
-    found = run(["search", "pager handover Tuesday", "--json", "--top-k", "3"], env)
+    found = run(["search", "quillwhistle pager handover", "--json", "--top-k", "3"], env)
     assert found.returncode == 0, found.stderr
     top = json.loads(found.stdout)["results"][0]
     assert (top["source"], top["rank"], top["citation_index"]) == ("runbook.md", 1, 1)
 
     queries = tmp_path / "queries.jsonl"
-    queries.write_text('{"id": "en", "query": "pager Tuesday"}\n\n{"id": "zh", "query": "报销单 提交 期限"}\n')
+    queries.write_text('{"id": "en", "query": "quillwhistle pager"}\n\n{"id": "zh", "query": "蜂鸟报销单 提交"}\n')
     batch = run(["search", "--batch", str(queries), "--json", "--top-k", "1"], env)
     assert batch.returncode == 0, batch.stderr
     lines = [json.loads(line) for line in batch.stdout.splitlines()]

@@ -4,6 +4,9 @@ Behaviour the vendor does not document is chosen here and labelled ASSUMPTION so
 mistakes it for a fact about the real service. Vectors come from hashed tokens: equal texts get
 equal vectors and texts sharing words point the same way, which is enough for retrieval tests.
 
+The chat route stands in for an LLM with one deterministic rewrite (see ``rewrite_follow_up``), enough
+for query-rephrasing tests; it is no model of how a real LLM phrases anything.
+
 Use the ``fake_dashscope`` fixture (register with ``pytest_plugins = ["tests.support.fake_dashscope"]``)
 or ``run_fake_dashscope()`` as a context manager.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 import re
 import socket
@@ -32,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 __all__ = [
+    "CHAT_PATH",
     "DEFAULT_API_KEY",
     "EMBEDDING_DIMENSIONS",
     "FakeDashScope",
@@ -41,6 +46,7 @@ __all__ = [
     "fake_dashscope",
     "fake_dashscope_server",
     "fake_vector",
+    "rewrite_follow_up",
     "run_fake_dashscope",
     "tokenize",
 ]
@@ -49,6 +55,7 @@ DEFAULT_API_KEY = "sk-fake-dashscope-0123456789abcdef"
 NATIVE_EMBEDDING_PATH = "/api/v1/services/embeddings/text-embedding/text-embedding"
 COMPATIBLE_EMBEDDING_PATH = "/compatible-mode/v1/embeddings"
 RERANK_PATH = "/api/v1/services/rerank/text-rerank/text-rerank"
+CHAT_PATH = "/compatible-mode/v1/chat/completions"
 
 #: text-embedding-v3/v4 sizes on the current model page (§6.2); 1024 is the default.
 EMBEDDING_DIMENSIONS = frozenset({1024, 768, 512, 256, 128, 64})
@@ -127,6 +134,10 @@ class FakeDashScope:
     #: ASSUMPTION, test-only: echo the presented key in the 401 message, as some OpenAI-style
     #: servers do, to check that clients redact it.
     echo_key_in_errors: bool = False
+    #: Answer rerank requests with an ``index`` past the end of the documents, as a broken server might.
+    rerank_out_of_range: bool = False
+    #: Answer chat completions with this content verbatim instead of the deterministic rewrite.
+    chat_content: str | None = None
 
     requests: int = 0
     in_flight: int = 0
@@ -170,7 +181,8 @@ class FakeDashScope:
             self.batch_cap = 10
             self.delay_s = 0.0
             self.shuffle = self.unnormalized = self.duplicate_zero_index = False
-            self.echo_key_in_errors = False
+            self.echo_key_in_errors = self.rerank_out_of_range = False
+            self.chat_content = None
             self.requests = self.max_in_flight = 0
             self.received.clear()
             self.faults.clear()
@@ -203,6 +215,51 @@ class FakeDashScope:
         if self.unnormalized:
             vector = vector * (1.0 + len(text) % 7)
         return [float(x) for x in vector]
+
+
+_FOLLOW_UP = re.compile(r"^\s*(?:and|what about|how about)\s+(?:for\s+)?(?P<subject>.+?)\s*[?？]?\s*$", re.I)
+
+
+def rewrite_follow_up(question: str, history: list[dict[str, Any]]) -> str:
+    """The fake LLM's one skill: "And for X?" after "What is Y for Z?" becomes "What is Y for X?".
+
+    Follow-ups starting with "and", "what about" or "how about" take the last earlier user question
+    and replace what follows its last " for " (or append " for X"); anything else comes back as is.
+    """
+    match = _FOLLOW_UP.match(question)
+    previous = next(
+        (
+            str(turn.get("content", "")).strip()
+            for turn in reversed(history)
+            if isinstance(turn, dict) and turn.get("role") == "user"
+        ),
+        "",
+    )
+    if not match or not previous:
+        return question
+    subject = match["subject"]
+    head = previous.rstrip("?？ ")
+    if " for " in head:
+        head = head.rsplit(" for ", 1)[0]
+    return f"{head} for {subject}?"
+
+
+def _chat_conversation(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """The latest question and the turns before it, from either prompt shape.
+
+    A last user message holding ``{"history": [...], "question": "..."}`` (ragstream's rephraser)
+    is read as such; otherwise the last user message is the question and the earlier user and
+    assistant messages are the history.
+    """
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    content = messages[last]["content"]
+    try:
+        packed: Any = json.loads(content)
+    except ValueError:
+        packed = None
+    if isinstance(packed, dict) and isinstance(packed.get("question"), str) and isinstance(packed.get("history"), list):
+        return packed["question"], packed["history"]
+    return content, [m for m in messages[:last] if m["role"] in ("user", "assistant")]
 
 
 def _request_id() -> str:
@@ -372,7 +429,8 @@ def create_app(fake: FakeDashScope) -> FastAPI:
             scored.sort(key=lambda s: (-s[0], s[1]))
             results = []
             for score, index, document in scored[:top_n]:
-                result: dict[str, Any] = {"index": index, "relevance_score": score}
+                shown = len(documents) + index if fake.rerank_out_of_range else index
+                result: dict[str, Any] = {"index": shown, "relevance_score": score}
                 if return_documents:
                     result["document"] = {"text": document}
                 results.append(result)
@@ -381,6 +439,51 @@ def create_app(fake: FakeDashScope) -> FastAPI:
                     "output": {"results": results},
                     "usage": {"total_tokens": total_tokens},
                     "request_id": _request_id(),
+                }
+            )
+        finally:
+            fake._leave()
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> JSONResponse:
+        try:
+            body, failed = await begin(request, compatible=True)
+            if failed:
+                return failed
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return _compatible_error(400, "InvalidParameter", "messages must be a non-empty list.")
+            if not all(
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                return _compatible_error(400, "InvalidParameter", "each message needs a role and a string content.")
+            if not any(m["role"] == "user" for m in messages):
+                return _compatible_error(400, "InvalidParameter", "messages need a user message.")
+            question, history = _chat_conversation(messages)
+            content = fake.chat_content if fake.chat_content is not None else rewrite_follow_up(question, history)
+            prompt_tokens = sum(len(tokenize(m["content"])) for m in messages)
+            completion_tokens = len(tokenize(content))
+            return JSONResponse(
+                {
+                    "id": f"chatcmpl-{_request_id()}",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": content},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens,
+                    },
                 }
             )
         finally:

@@ -7,13 +7,15 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ragstream.chunking import parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval import SearchRequest
@@ -50,10 +52,15 @@ def _report(report: SyncReport, source: str) -> None:
 
 
 async def _sync_folder(
-    runtime: Runtime, folder: Path, observe: Callable[[str, SyncProgress], None] | None = None
+    runtime: Runtime,
+    folder: Path,
+    observe: Callable[[str, SyncProgress], None] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> SyncReport:
-    """Sync with a progress bar; ``observe`` also receives every update (the API's live progress)."""
-    connector = FolderConnector(folder)
+    """Sync with a progress bar; ``observe`` also receives every update (the API's live progress).
+
+    ``config`` is stored as the connection's config (``--chunker``); None keeps the stored one."""
+    connector = FolderConnector(folder, config)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -81,12 +88,60 @@ async def _sync_folder(
     return report
 
 
+def _chunking_config(
+    kind: str | None, size: int | None, overlap: int | None, threshold: str | None, amount: float | None
+) -> dict[str, Any] | None:
+    """The connection config the chunking options ask for, validated; None when none was given."""
+    options = {"size": size, "overlap": overlap, "threshold_type": threshold, "threshold_amount": amount}
+    given = {key: value for key, value in options.items() if value is not None}
+    if kind is None:
+        if given:
+            raise typer.BadParameter("--chunk-size, --chunk-overlap and --semantic-* need --chunker")
+        return None
+    try:
+        chunking = parse_chunking({"kind": kind, **given})
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or kind}: {e['msg']}" for e in error.errors())
+        raise typer.BadParameter(problems, param_hint="--chunker options") from error
+    return {"chunking": chunking.model_dump(mode="json")}
+
+
 @app.command()
 def ingest(
     path: Annotated[Path, typer.Argument(help="Folder of md, txt and html files", exists=True, file_okay=False)],
+    chunker: Annotated[
+        Literal["markdown", "token", "recursive", "semantic"] | None,
+        typer.Option(
+            "--chunker",
+            help="Chunking of this folder's connection, stored and kept for later syncs. Applies to new and "
+            "changed files only: already indexed files keep their chunks. Unset: the stored choice, else markdown.",
+        ),
+    ] = None,
+    chunk_size: Annotated[
+        int | None,
+        typer.Option(
+            "--chunk-size",
+            help="Max chunk size: characters for markdown and recursive (1500), tokens of the embedding model "
+            "for token and semantic (512).",
+        ),
+    ] = None,
+    chunk_overlap: Annotated[
+        int | None, typer.Option("--chunk-overlap", help="Overlap, in the same unit (markdown/recursive 100, token 0)")
+    ] = None,
+    semantic_threshold: Annotated[
+        Literal["percentile", "std", "iqr", "gradient"] | None,
+        typer.Option("--semantic-threshold", help="Where the semantic chunker breaks (percentile)"),
+    ] = None,
+    semantic_amount: Annotated[
+        float | None,
+        typer.Option(
+            "--semantic-amount", help="Percentile for percentile/gradient (95), multiplier for std (3)/iqr (1.5)"
+        ),
+    ] = None,
 ) -> None:
     """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed."""
-    report = _run(lambda runtime: _sync_folder(runtime, path))
+    config = _chunking_config(chunker, chunk_size, chunk_overlap, semantic_threshold, semantic_amount)
+    report = _run(lambda runtime: _sync_folder(runtime, path, config=config))
     assert isinstance(report, SyncReport)
     raise typer.Exit(0 if report.ok else 1)
 

@@ -8,11 +8,14 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from ragstream.chunking import MarkdownChunker
+from ragstream.chunking import MarkdownChunking
 from ragstream.embedding import Embedder, create_embedder
+from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
 from ragstream.parsing import Parser
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
+from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
+from ragstream.retrieval.rerank import DashScopeReranker, Reranker
 from ragstream.settings import Settings
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
@@ -23,7 +26,7 @@ from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.search import SearchStore
 
-__all__ = ["Runtime", "open_runtime", "resolve_database"]
+__all__ = ["Runtime", "create_rephraser", "create_reranker", "open_runtime", "resolve_database"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +62,35 @@ async def resolve_database(settings: Settings) -> AsyncIterator[str]:
         server.stop()
 
 
+def create_reranker(settings: Settings) -> Reranker | None:
+    """The configured reranker, or ``None`` for ``RAGSTREAM_RERANKER=none``."""
+    key = settings.dashscope_key()
+    if settings.reranker == "none" or key is None:  # the settings validator rejects dashscope without a key
+        return None
+    host = (settings.dashscope_host() or DASHSCOPE_BASE_URL).rstrip("/")
+    return DashScopeReranker(key.get_secret_value(), model=settings.reranker_model, base_url=host)
+
+
+def create_rephraser(settings: Settings) -> QueryRephraser | None:
+    """The configured query rephraser, or ``None`` for ``RAGSTREAM_REPHRASER=none``."""
+    key = settings.dashscope_key()
+    if settings.rephraser == "none" or key is None:
+        return None
+    host = (settings.dashscope_host() or DASHSCOPE_BASE_URL).rstrip("/")
+    return DashScopeChatRephraser(
+        key.get_secret_value(), model=settings.rephraser_model, base_url=f"{host}/compatible-mode/v1"
+    )
+
+
 @asynccontextmanager
 async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
     pool = await connect_pool(dsn)
     embedder = create_embedder(settings.embedding)
+    reranker: Reranker | None = None
+    rephraser: QueryRephraser | None = None
     try:
+        reranker = create_reranker(settings)
+        rephraser = create_rephraser(settings)
         store = DocumentStore(pool)
         chunking = settings.chunking
         yield Runtime(
@@ -74,7 +101,9 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
             chunker=ChunkService(
                 store,
                 Parser(settings.max_document_bytes),
-                MarkdownChunker(chunking.size, chunking.overlap),
+                embedder,
+                # Connections without a chunking config of their own get the settings' Markdown chunker.
+                MarkdownChunking(size=chunking.size, overlap=chunking.overlap),
                 chunking.batch_chunks,
             ),
             embed=EmbedService(embedder),
@@ -86,8 +115,13 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 settings=RetrievalSettings(
                     vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
                 ),
+                reranker=reranker,
+                rephraser=rephraser,
             ),
         )
     finally:
+        for client in (rephraser, reranker):
+            if client is not None:
+                await client.aclose()
         await embedder.aclose()
         await pool.close()

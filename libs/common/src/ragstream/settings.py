@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["ChunkingSettings", "EmbeddingSettings", "Settings"]
@@ -61,5 +61,61 @@ class Settings(BaseSettings):
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
     rrf_vector_weight: Annotated[float, Field(title="RRF weight of the vector leg", ge=0)] = 1.0
     rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 1.0
+    reranker: Annotated[
+        Literal["none", "dashscope"],
+        Field(
+            title="Reranker of the fused candidates",
+            description="`dashscope`: DashScope text-rerank; a failure or timeout keeps the fused order.",
+        ),
+    ] = "none"
+    reranker_model: Annotated[str, Field(title="Rerank model", description="gte-rerank-v2 or qwen3-rerank.")] = (
+        "gte-rerank-v2"
+    )
+    rephraser: Annotated[
+        Literal["none", "dashscope"],
+        Field(
+            title="Rephraser of follow-up questions",
+            description="`dashscope`: a chat model on DashScope's OpenAI-compatible route turns a question with "
+            "history into a standalone one; a failure searches the raw question.",
+        ),
+    ] = "none"
+    rephraser_model: Annotated[str, Field(title="Chat model of the rephraser")] = "qwen-plus"
+    dashscope_api_key: Annotated[
+        SecretStr | None,
+        Field(
+            title="DashScope API key of the reranker and rephraser",
+            description="Unset: RAGSTREAM_EMBEDDER_API_KEY when the embedder provider is dashscope.",
+        ),
+    ] = None
+    dashscope_base_url: Annotated[
+        str | None,
+        Field(
+            title="DashScope host of the reranker and rephraser",
+            description="Like https://dashscope-intl.aliyuncs.com; the rephraser appends /compatible-mode/v1. "
+            "Unset: RAGSTREAM_EMBEDDER_BASE_URL when the embedder provider is dashscope, else the Beijing host.",
+        ),
+    ] = None
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
+
+    def dashscope_key(self) -> SecretStr | None:
+        """The key for DashScope rerank and rephrasing: its own, else the DashScope embedder's."""
+        if self.dashscope_api_key is not None:
+            return self.dashscope_api_key
+        return self.embedding.api_key if self.embedding.provider == "dashscope" else None
+
+    def dashscope_host(self) -> str | None:
+        """The DashScope host for rerank and rephrasing when configured; ``None`` means the default."""
+        if self.dashscope_base_url:
+            return self.dashscope_base_url
+        return self.embedding.base_url if self.embedding.provider == "dashscope" else None
+
+    @model_validator(mode="after")
+    def _dashscope_key_when_needed(self) -> Settings:
+        # Fail at start-up, not on the first search that would quietly fall back.
+        if "dashscope" in (self.reranker, self.rephraser) and self.dashscope_key() is None:
+            raise ValueError(
+                "RAGSTREAM_RERANKER/RAGSTREAM_REPHRASER=dashscope need RAGSTREAM_DASHSCOPE_API_KEY "
+                "(or a dashscope embedder with RAGSTREAM_EMBEDDER_API_KEY)"
+            )
+        return self

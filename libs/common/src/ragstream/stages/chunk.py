@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from ragstream.chunking import MarkdownChunker
+import asyncio
+
+from pydantic import ValidationError
+
+from ragstream.chunking import Chunker, ChunkingConfig, create_chunker, parse_chunking
+from ragstream.embedding.base import Embedder
 from ragstream.messages import DocumentChanged, DocumentChunked
 from ragstream.parsing import ParseError, ParseErrorCode, Parser
 from ragstream.storage.documents import DocumentStore
@@ -11,18 +16,42 @@ __all__ = ["ChunkService"]
 
 
 class ChunkService:
-    """Loads the staged content, parses and chunks it.
+    """Loads the staged content, parses and chunks it with the chunker of the document's connection.
+
+    The chunker comes from the connection's stored config (``connections.config["chunking"]``) and
+    falls back to ``default`` (from settings). It is read for each document, so a changed choice
+    applies to documents chunked from then on; documents already indexed keep their chunks until
+    they change. One chunker is built and warmed up per distinct config and kept.
 
     Returns no batches when this version is already committed or superseded (a redelivery, or a
     replay that a newer change overtook): the work would be thrown away by the indexer anyway. Raises ``ParseError``
     for a document that can never be indexed as it is.
     """
 
-    def __init__(self, store: DocumentStore, parser: Parser, chunker: MarkdownChunker, batch_chunks: int) -> None:
+    def __init__(
+        self, store: DocumentStore, parser: Parser, embedder: Embedder, default: ChunkingConfig, batch_chunks: int
+    ) -> None:
         self._store = store
         self._parser = parser
-        self._chunker = chunker
+        self._embedder = embedder
+        self._default = default
         self._batch_chunks = batch_chunks
+        self._chunkers: dict[ChunkingConfig, Chunker] = {}
+        self._building = asyncio.Lock()
+
+    async def chunker_for(self, connection_id: str) -> Chunker:
+        stored = (await self._store.connection_config(connection_id)).get("chunking")
+        try:
+            config = self._default if stored is None else parse_chunking(stored)
+        except ValidationError as error:
+            raise ValueError(f"connection {connection_id} has an invalid chunking config: {error}") from error
+        if (chunker := self._chunkers.get(config)) is None:
+            async with self._building:  # two workers seeing a new config warm it up once
+                if (chunker := self._chunkers.get(config)) is None:
+                    chunker = create_chunker(config, self._embedder)
+                    await asyncio.to_thread(chunker.warm_up)  # loading a tokenizer takes seconds
+                    self._chunkers[config] = chunker
+        return chunker
 
     async def run(self, message: DocumentChanged) -> list[DocumentChunked]:
         header = message.header
@@ -32,7 +61,8 @@ class ChunkService:
         if content is None:
             return []
         parsed = self._parser.run(content, header.media_type, header.title)
-        chunks = self._chunker.run(parsed)
+        chunker = await self.chunker_for(header.connection_id)
+        chunks = await chunker.run_async(parsed)
         if not chunks:
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text to index")
         header = header.model_copy(update={"title": parsed.title})

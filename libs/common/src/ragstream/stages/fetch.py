@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ragstream.connectors.base import Connector, DocumentVanished, SourceItem
 from ragstream.failures import StageFailure, record_failure
@@ -13,7 +13,7 @@ from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
 from ragstream.storage.documents import CommittedDocument, DocumentStore, document_id
 
-__all__ = ["ChangeSink", "FetchService", "SyncCounts"]
+__all__ = ["ChangeSink", "ConfiguredConnector", "FetchService", "SyncCounts"]
 
 
 class ChangeSink(Protocol):
@@ -22,6 +22,15 @@ class ChangeSink(Protocol):
     async def changed(self, message: DocumentChanged) -> None: ...
 
     async def deleted(self, message: DocumentDeleted) -> None: ...
+
+
+@runtime_checkable
+class ConfiguredConnector(Protocol):
+    """A connector that carries its connection's config (``{"chunking": {...}}``) to store on sync;
+    ``None`` keeps what is stored. Optional, so connectors without options need nothing."""
+
+    @property
+    def config(self) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(slots=True)
@@ -57,7 +66,8 @@ class FetchService:
 
     async def run(self, sink: ChangeSink) -> SyncCounts:
         connector = self._connector
-        await self._store.ensure_connection(connector.connection_id, connector.platform, connector.name)
+        config = connector.config if isinstance(connector, ConfiguredConnector) else None
+        await self._store.ensure_connection(connector.connection_id, connector.platform, connector.name, config)
         committed = await self._store.committed(connector.connection_id)
         counts = SyncCounts()
         listed: set[str] = set()

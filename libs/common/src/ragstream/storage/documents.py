@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 
@@ -54,13 +55,38 @@ class DocumentStore:
         self._pool = pool
         self._spaces: dict[str, str] = {}
 
-    async def ensure_connection(self, connection_id: str, platform: str, name: str) -> None:
+    async def ensure_connection(
+        self, connection_id: str, platform: str, name: str, config: Mapping[str, Any] | None = None
+    ) -> None:
+        """Register the connection. ``config`` replaces the top-level keys it names in the stored config
+        (``{"chunking": {...}}``); without it the stored config is kept, so a later sync without options
+        goes on with what an earlier one chose. A new config applies to documents chunked from now
+        on: unchanged documents keep their chunks until they change (re-indexing is not triggered)."""
+        if config is None:
+            await self._pool.execute(
+                "INSERT INTO connections (id, platform, name) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING",
+                connection_id,
+                platform,
+                name,
+            )
+            return
         await self._pool.execute(
-            "INSERT INTO connections (id, platform, name) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING",
+            "INSERT INTO connections (id, platform, name, config) VALUES ($1, $2, $3, $4::jsonb) "
+            "ON CONFLICT (id) DO UPDATE SET config = connections.config || EXCLUDED.config",
             connection_id,
             platform,
             name,
+            json.dumps(dict(config)),
         )
+
+    async def connection_config(self, connection_id: str) -> dict[str, Any]:
+        """The stored config of a connection (``{}`` when unknown or unset).
+
+        Not cached: another process (the CLI, the fetcher) may change it, and one primary-key read
+        per document is nothing next to parsing and embedding it."""
+        raw = await self._pool.fetchval("SELECT config FROM connections WHERE id = $1", connection_id)
+        config = json.loads(raw) if isinstance(raw, str) else raw
+        return dict(config) if isinstance(config, dict) else {}
 
     async def committed(self, connection_id: str) -> dict[str, CommittedDocument]:
         """Indexed documents of a connection by external id: what a sync compares its listing with."""
