@@ -11,7 +11,10 @@ import uvicorn
 
 from ragstream.api.http import create_app
 from ragstream.pipeline import SyncProgress, SyncReport
+from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
+from ragstream.storage.citations import CitationStore
+from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["serve"]
 
@@ -37,7 +40,14 @@ async def serve(
                 return
             await asyncio.sleep(sync_interval)
 
-    app = create_app(lambda: runtime.retriever, ready=ready, sync_progress=lambda: progress, title="ragstream")
+    reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
+    app = create_app(
+        lambda: runtime.retriever,
+        ready=ready,
+        sync_progress=lambda: progress,
+        reader=lambda: reader,
+        title="ragstream",
+    )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     syncing = asyncio.create_task(keep_synced())
     try:

@@ -1,4 +1,5 @@
-"""retriever service: ``POST /v1/search`` (vector + keyword, RRF) with health, readiness and metrics."""
+"""retriever service: ``POST /v1/search`` (vector + keyword, RRF) and ``GET /v1/documents/{id}``, with
+health, readiness and metrics."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ragstream.api.http import create_app as create_search_app
+from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
+from ragstream.storage.citations import CitationStore
+from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["create_app"]
 
@@ -17,12 +21,17 @@ __all__ = ["create_app"]
 def create_app() -> FastAPI:
     settings = Settings()
     state: dict[str, Runtime] = {}
+    readers: dict[str, DocumentReader] = {}
 
     async def ready() -> bool:
         runtime = state.get("runtime")
         return runtime is not None and bool(await runtime.pool.fetchval("SELECT true"))
 
-    app = create_search_app(lambda: state["runtime"].retriever if "runtime" in state else None, ready=ready)
+    app = create_search_app(
+        lambda: state["runtime"].retriever if "runtime" in state else None,
+        ready=ready,
+        reader=lambda: readers.get("reader"),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -31,9 +40,11 @@ def create_app() -> FastAPI:
         async with open_runtime(settings, settings.database_url) as runtime:
             await runtime.embedder.warm_up()
             state["runtime"] = runtime
+            readers["reader"] = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
             try:
                 yield
             finally:
+                readers.clear()
                 state.clear()
 
     app.router.lifespan_context = lifespan

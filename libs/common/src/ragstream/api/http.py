@@ -1,17 +1,19 @@
-"""FastAPI app: hybrid search, health and readiness, Prometheus metrics, and sync progress."""
+"""FastAPI app: hybrid search, document reads, health and readiness, Prometheus metrics, sync progress."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import FastAPI, HTTPException, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragstream.metrics import SEARCH_LATENCY
 from ragstream.pipeline import SyncProgress
-from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
+from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
+from ragstream.retrieval.budget import MAX_CALL_CHARS
+from ragstream.retrieval.reader import DocumentRead, DocumentReader
 
 __all__ = ["create_app"]
 
@@ -21,10 +23,11 @@ def create_app(
     *,
     ready: Callable[[], Awaitable[bool]],
     sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,
+    reader: Callable[[], DocumentReader | None] | None = None,
     title: str = "ragstream retriever",
 ) -> FastAPI:
-    """``retriever`` is a getter because the app starts before the store is open; until then
-    search answers 503 and readiness is false."""
+    """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
+    app starts before the store is open; until then search and reads answer 503 and readiness is false."""
     app = FastAPI(title=title, version="1")
 
     @app.post("/v1/search", response_model=SearchResponse)
@@ -49,6 +52,39 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    if reader is not None:
+        reader_of = reader
+
+        @app.get(
+            "/v1/documents/{document_id}",
+            response_model=DocumentRead,
+            responses={404: {"description": "No such document, or not one the caller may see (the same answer)"}},
+        )
+        async def read_document(
+            document_id: str,
+            conversation_id: Annotated[
+                str | None, Query(max_length=200, description="Keeps the citation number of earlier searches.")
+            ] = None,
+            user: Annotated[
+                str | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks.")
+            ] = None,
+            groups: Annotated[list[str], Query(description="Caller's groups: repeated or comma-separated.")] = [],  # noqa: B006
+            max_chars: Annotated[int, Query(ge=1, le=MAX_CALL_CHARS, description="Text budget.")] = MAX_CALL_CHARS,
+        ) -> DocumentRead:
+            """The document's text (chunks in order, cut to the budget) and its source-card fields,
+            under the same scope and permission rules as search."""
+            current = reader_of()
+            if current is None:
+                raise HTTPException(status_code=503, detail="the index is still starting")
+            names = [name for value in groups for name in value.split(",") if name]
+            if names and user is None:
+                raise HTTPException(status_code=422, detail="groups need a user")
+            principal = Principal(user=user, groups=names) if user is not None else None
+            document = await current.read(document_id, principal, conversation_id=conversation_id, max_chars=max_chars)
+            if document is None:
+                raise HTTPException(status_code=404, detail="document not found")
+            return document
 
     if sync_progress is not None:
         progress_of = sync_progress
