@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import asyncpg
 import numpy as np
@@ -11,7 +13,9 @@ import numpy as np
 from ragstream.embedding.base import Vectors
 from ragstream.storage.scope import Scope
 
-__all__ = ["ChunkRecord", "SearchStore"]
+__all__ = ["ChunkRecord", "KeywordRanking", "SearchStore"]
+
+KeywordRanking = Literal["bm25", "ts_rank"]
 
 # Each term is normalised by the same 'english' configuration the index used, then the terms are
 # OR-ed: a question rarely contains every word of the paragraph that answers it.
@@ -21,6 +25,45 @@ _TSQUERY = """
         FROM unnest($1::text[]) AS term
         WHERE plainto_tsquery('english', term)::text <> ''
     ), ' | '), '')::tsquery AS query
+"""
+
+# BM25 scores single lexemes: the query's lexemes under the index's normalisation (stemmed English,
+# jieba words, identifiers), each quoted as a one-lexeme tsquery (quotes and backslashes doubled),
+# all OR-ed so that the GIN index finds every chunk holding at least one of them. MATERIALIZED:
+# inlined, to_tsvector would run again for every candidate row.
+_BM25_TERMS = r"""
+    SELECT lexemes, NULLIF(array_to_string(ARRAY(
+        SELECT '''' || replace(replace(lexeme, '\', '\\'), '''', '''''') || ''''
+        FROM unnest(lexemes) AS lexeme
+    ), ' | '), '')::tsquery AS query
+    FROM (SELECT tsvector_to_array(to_tsvector('english', array_to_string($1::text[], ' '))) AS lexemes) AS t
+"""
+
+# Okapi BM25 over the candidates, with Lucene's idf ln(1 + (N - df + 0.5) / (df + 0.5)):
+# - tf: positions of the lexeme in the chunk (title and heading included, as in the tsvector). The
+#   chunk's vector is first cut down to the query's lexemes in C (setweight on those lexemes, then
+#   ts_filter on that weight): unnesting whole vectors costs about 6x more on InsuranceQA. The cut
+#   drops the title/heading weight, so a heading match counts as much as a body match;
+# - dl: chunks.lexeme_count, written with the tsvector at index time;
+# - df: the candidates that hold the lexeme, a window count. Every chunk in scope holding a query
+#   lexeme is a candidate, so this is the exact document frequency *within the scope*, for free (no
+#   extra index probe per lexeme), and chunks the caller may not see cannot shift the ranking;
+# - N and avgdl: corpus-wide, from a briefly cached aggregate (SearchStore._corpus_stats).
+# The statement's own parameters follow the scope's ($3..), which both legs share.
+_BM25 = """
+    WITH q AS MATERIALIZED ({terms}),
+    hits AS (
+        SELECT c.id, c.lexeme_count AS dl, m.lexeme, greatest(cardinality(m.positions), 1) AS tf
+        FROM q, chunks c {joins}, unnest(ts_filter(setweight(c.search_vector, 'B', q.lexemes), '{{b}}')) AS m
+        WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope} AND m.lexeme = ANY(q.lexemes)
+    ),
+    counted AS (SELECT id, dl, tf, count(*) OVER (PARTITION BY lexeme)::float8 AS df FROM hits),
+    p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avgdl}::float8 AS avgdl)
+    SELECT id FROM counted, p
+    GROUP BY id
+    ORDER BY sum(ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5))
+                 * tf * (p.k1 + 1) / (tf + p.k1 * (1 - p.b + p.b * dl / p.avgdl))) DESC, id
+    LIMIT $2
 """
 
 
@@ -39,39 +82,145 @@ class ChunkRecord:
 
 
 class SearchStore:
-    def __init__(self, pool: asyncpg.Pool, *, ef_search: int = 100) -> None:
+    """The SQL of both legs.
+
+    ``keyword_ranking`` orders the keyword leg by Okapi BM25 computed in SQL (``bm25_k1``,
+    ``bm25_b``), or by PostgreSQL's ``ts_rank_cd`` (``"ts_rank"``).
+    ``docs/retrieval-quality.md`` has the measurements behind the defaults.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        ef_search: int = 100,
+        keyword_ranking: KeywordRanking = "bm25",
+        bm25_k1: float = 1.2,
+        bm25_b: float = 0.75,
+        stats_ttl_s: float = 300.0,
+    ) -> None:
+        if keyword_ranking not in ("bm25", "ts_rank"):
+            raise ValueError(f"unknown keyword ranking {keyword_ranking!r}")
+        if bm25_k1 < 0 or not 0 <= bm25_b <= 1:
+            raise ValueError("BM25 needs k1 >= 0 and 0 <= b <= 1")
         self._pool = pool
         self._ef_search = ef_search
+        self._keyword_ranking = keyword_ranking
+        self._bm25 = (float(bm25_k1), float(bm25_b))
+        self._stats_ttl_s = stats_ttl_s
+        self._stats: tuple[float, float, float] | None = None  # (taken at, chunks, average length)
 
     async def embedding_table(self, model_key: str) -> str | None:
         value = await self._pool.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
         return str(value) if value is not None else None
 
-    async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[str]:
-        """Chunk ids nearest to the query within the scope."""
-        async with self._pool.acquire() as connection, connection.transaction():
-            await connection.execute(f"SET LOCAL hnsw.ef_search = {max(self._ef_search, limit)}")
-            rows = await connection.fetch(
-                f"SELECT c.id FROM {table} e JOIN chunks c ON c.id = e.chunk_id {scope.joins}"
-                f" WHERE {scope.sql} ORDER BY e.embedding <=> $1 LIMIT $2",
-                np.asarray(query_vector, dtype=np.float32),
-                limit,
-                *scope.params,
-            )
-        return [row["id"] for row in rows]
+    # pgvector 0.6 filters after the HNSW scan: a scan of ef_search nodes yields at most ef_search
+    # candidates, and only the share the scope lets through survives. So the leg measures that share
+    # near the query, widens the scan to keep about ef_search visible candidates, and scans the scoped
+    # rows exactly when no ef_search pgvector accepts would do (docs/vector-leg.md has the numbers).
+    _EF_MAX = 1000  # upper bound of hnsw.ef_search in pgvector 0.6
+    _EF_SLACK = 1.25  # a first scan within this factor of the ef_search it needed is kept
 
-    async def keyword_leg(self, terms: Sequence[str], limit: int, scope: Scope) -> list[str]:
-        if not terms:
-            return []
-        rows = await self._pool.fetch(
-            f"WITH q AS ({_TSQUERY}) SELECT c.id FROM q, chunks c {scope.joins}"
-            f" WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope.sql}"
-            " ORDER BY ts_rank_cd(c.search_vector, q.query) DESC, c.id LIMIT $2",
-            list(terms),
+    async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[str]:
+        """Ids of the ``limit`` chunks nearest to the query within the scope, fewer only when the
+        scope holds fewer: however selective the scope, the leg never comes back short."""
+        vector = np.asarray(query_vector, dtype=np.float32)
+        base = min(max(self._ef_search, limit), self._EF_MAX)
+        async with self._pool.acquire() as connection, connection.transaction():
+            ids, visible, seen = await self._hnsw_scan(connection, table, vector, limit, scope, base)
+            if len(ids) == limit and visible * self._EF_SLACK >= base:
+                return ids
+            # Fewer than half the candidates asked for: a small table (or one full of dead rows not
+            # vacuumed yet), where widening the scan cannot help and the exact scan is cheap.
+            if seen * 2 >= base:
+                # ef_search at which about ``base`` candidates would be visible, at the share seen.
+                wanted = -(-base * base // visible) if visible else self._EF_MAX + 1
+                if wanted <= self._EF_MAX:
+                    ids, _, _ = await self._hnsw_scan(connection, table, vector, limit, scope, wanted)
+                    if len(ids) == limit:
+                        return ids
+            return await self._exact_scan(connection, table, vector, limit, scope)
+
+    @staticmethod
+    async def _hnsw_scan(
+        connection: asyncpg.Connection, table: str, vector: np.ndarray, limit: int, scope: Scope, ef: int
+    ) -> tuple[list[str], int, int]:
+        """The nearest visible chunks among the ``ef`` the index yields, how many of those were
+        visible, and how many it yielded (fewer than ``ef`` when the table is small)."""
+        await connection.execute(f"SET LOCAL hnsw.ef_search = {ef}")
+        row = await connection.fetchrow(
+            f"WITH candidates AS MATERIALIZED (SELECT e.chunk_id, e.embedding <=> $1 AS distance FROM {table} e"
+            f"  ORDER BY e.embedding <=> $1 LIMIT {ef}),"
+            f" visible AS (SELECT c.id, ca.distance FROM candidates ca JOIN chunks c ON c.id = ca.chunk_id"
+            f"  {scope.joins} WHERE {scope.sql})"
+            " SELECT (SELECT count(*) FROM candidates) AS seen, (SELECT count(*) FROM visible) AS visible,"
+            " ARRAY(SELECT id FROM visible ORDER BY distance, id LIMIT $2) AS ids",
+            vector,
+            limit,
+            *scope.params,
+        )
+        assert row is not None
+        return list(row["ids"]), int(row["visible"]), int(row["seen"])
+
+    @staticmethod
+    async def _exact_scan(
+        connection: asyncpg.Connection, table: str, vector: np.ndarray, limit: int, scope: Scope
+    ) -> list[str]:
+        """Distances to every scoped chunk: computed in a CTE so no index can answer the ORDER BY."""
+        rows = await connection.fetch(
+            f"WITH scoped AS MATERIALIZED (SELECT c.id, e.embedding <=> $1 AS distance FROM {table} e"
+            f"  JOIN chunks c ON c.id = e.chunk_id {scope.joins} WHERE {scope.sql})"
+            " SELECT id FROM scoped ORDER BY distance, id LIMIT $2",
+            vector,
             limit,
             *scope.params,
         )
         return [row["id"] for row in rows]
+
+    async def keyword_leg(self, terms: Sequence[str], limit: int, scope: Scope) -> list[str]:
+        """Ids of the best ``limit`` chunks in the scope holding at least one of the terms."""
+        if not terms:
+            return []
+        if self._keyword_ranking == "ts_rank":
+            rows = await self._pool.fetch(
+                f"WITH q AS ({_TSQUERY}) SELECT c.id FROM q, chunks c {scope.joins}"
+                f" WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope.sql}"
+                " ORDER BY ts_rank_cd(c.search_vector, q.query) DESC, c.id LIMIT $2",
+                list(terms),
+                limit,
+                *scope.params,
+            )
+            return [row["id"] for row in rows]
+        chunks, average_length = await self._corpus_stats()
+        k1, b = self._bm25
+        first = 3 + len(scope.params)
+        numbers = dict(zip(("k1", "b", "n", "avgdl"), range(first, first + 4), strict=True))
+        rows = await self._pool.fetch(
+            _BM25.format(terms=_BM25_TERMS, joins=scope.joins, scope=scope.sql, **numbers),
+            list(terms),
+            limit,
+            *scope.params,
+            k1,
+            b,
+            chunks,
+            average_length,
+        )
+        return [row["id"] for row in rows]
+
+    async def _corpus_stats(self) -> tuple[float, float]:
+        """Number of chunks and their average lexeme count, at most ``stats_ttl_s`` old.
+
+        Both only normalise scores and move slowly as documents come and go, so a few minutes of
+        staleness does not change a ranking noticeably; reading them on every search would scan the
+        chunks table (or an index of it) per query. Corpus-wide on purpose: an aggregate over all
+        chunks says nothing about any one chunk a caller may not see.
+        """
+        now = time.monotonic()
+        if self._stats is None or now - self._stats[0] > self._stats_ttl_s:
+            row = await self._pool.fetchrow("SELECT count(*) AS n, avg(lexeme_count)::float8 AS avgdl FROM chunks")
+            assert row is not None
+            self._stats = (now, float(row["n"]), float(row["avgdl"] or 0.0) or 1.0)
+        return self._stats[1], self._stats[2]
 
     async def chunks(self, chunk_ids: Sequence[str]) -> dict[str, ChunkRecord]:
         rows = await self._pool.fetch(
