@@ -57,7 +57,6 @@ class Settings(BaseSettings):
     max_document_bytes: Annotated[
         int, Field(title="Largest document accepted", description="Bigger ones fail with 'too_large'.")
     ] = 16 * 1024 * 1024
-    embed_batch_chunks: Annotated[int, Field(title="Chunks per embedding call in the embedded runner", ge=1)] = 64
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
