@@ -145,7 +145,11 @@ async def committed_state(database_url: str, folder: Path) -> tuple[set[str], li
 
 @pytest.mark.parametrize(
     ("stage", "point"),
-    [("chunker", "chunker.after_publish"), ("embedder", "embedder.after_publish"), ("indexer", "indexer.after_commit")],
+    [
+        ("chunker", "chunker.after_publish"),
+        ("embedder", "embedder.after_publish"),
+        ("indexer", "indexer.before_publish"),
+    ],
 )
 async def test_crash_between_output_and_offset_commit_loses_nothing(
     services: dict[str, ServiceProcess],

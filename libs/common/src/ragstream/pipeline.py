@@ -107,16 +107,15 @@ class EmbeddedPipeline:
             notify(progress)
 
         fetch = FetchService(self._store, connector, max_document_bytes=self._max_bytes, on_item=listed)
-        workers = [asyncio.create_task(self._work(queue, progress, notify)) for _ in range(self._workers)]
-        try:
+        # A task group: if a worker dies (PostgreSQL gone), the listing stops too instead of
+        # waiting forever on a full queue, and the error reaches the caller.
+        async with asyncio.TaskGroup() as group:
+            for _ in range(self._workers):
+                group.create_task(self._work(queue, progress, notify))
             await fetch.run(_QueueSink(queue))
             progress.listing_done = True
-            for _ in workers:
+            for _ in range(self._workers):
                 await queue.put(None)
-            await asyncio.gather(*workers)
-        finally:
-            for worker in workers:
-                worker.cancel()
         notify(progress)
         return SyncReport(connector.connection_id, progress, await self._store.failures(connector.connection_id))
 

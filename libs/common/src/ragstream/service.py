@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -20,10 +20,13 @@ from faststream import Context
 from faststream.asgi import AsgiFastStream, AsgiResponse, get, make_ping_asgi
 from faststream.kafka import KafkaBroker
 from prometheus_client import make_asgi_app
+from pydantic import BaseModel
 
 from ragstream.failures import classify, record_failure
+from ragstream.faults import crash_point
 from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
 from ragstream.messages import DeadLetter, DocumentHeader, Topic
+from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 
@@ -54,6 +57,28 @@ class ServiceContext:
 
     async def publish(self, topic: Topic, message: Any, key: str) -> None:
         await publish(self.broker, self.name, topic, message, key)
+
+    async def process(
+        self,
+        step: str,
+        consumed: Topic,
+        header: DocumentHeader,
+        produce: Callable[[], Awaitable[Sequence[BaseModel]]],
+        produced: Topic,
+    ) -> None:
+        """One message of a stage: run it, publish its outputs (each acknowledged by Kafka) or record
+        its failure; the handler returns only then, so the offset is committed after durable output."""
+        MESSAGES_IN.labels(self.name, consumed.value).inc()
+        with STAGE_LATENCY.labels(self.name).time():
+            try:
+                outputs = await produce()
+            except Exception as error:
+                await self.fail(header, step, error)
+                return
+            crash_point(f"{self.name}.before_publish")
+            for output in outputs:
+                await self.publish(produced, output, header.document_id)
+        crash_point(f"{self.name}.after_publish")
 
     async def fail(self, header: DocumentHeader, step: str, error: Exception) -> None:
         """Record a document's failure as a row and a dead letter; infrastructure errors propagate."""

@@ -1,0 +1,1 @@
+"""Benchmarks of ragstream on real corpora: ``python -m bench.ingest`` (see bench/README.md)."""
