@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := -e libs/common $(foreach service,$(wildcard services/*),-e $(service))
+PACKAGES := -e libs/common $(foreach project,$(wildcard services/*/pyproject.toml),-e $(dir $(project)))
 export RAGSTREAM_DATA_DIR ?= $(CURDIR)/.data
 
 .PHONY: install system-deps run test lint bench clean
