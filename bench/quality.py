@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchReques
 from ragstream.retrieval.fusion import reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
+from ragstream.settings import Settings
 from ragstream.stages.embed import embedding_text
 from ragstream.stages.index import IndexService
 from ragstream.storage.citations import CitationStore
@@ -57,7 +58,7 @@ from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore, document_id
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import _BM25_TERMS, SearchStore
+from ragstream.storage.search import _BM25_HITS, _BM25_TERMS, SearchStore
 
 __all__ = ["main"]
 
@@ -66,11 +67,11 @@ TOP = 10
 LEG = 30
 # Published plain-BM25 nDCG@10 on this data (ARCHITECTURE.md, "Benchmarks and data").
 REFERENCE_BM25 = {"en": 0.295, "zh": 0.210}
-BM25_GRID_K1 = (0.4, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0)
+BM25_GRID_K1 = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5)
 BM25_GRID_B = (0.3, 0.5, 0.6, 0.75, 0.9, 1.0)
-# The settings recommended from the tuning on `valid` (docs/retrieval-quality.md).
-DEFAULT_K1, DEFAULT_B = 1.2, 0.75
-DEFAULT_RRF_K, DEFAULT_KEYWORD_WEIGHT = 60, 1.0
+BM25_GRID_BIGRAM_WEIGHT = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Without --tune the bench measures the shipped defaults.
+DEFAULTS = Settings()
 RRF_GRID_K = (1, 5, 10, 20, 30, 45, 60, 100, 200)
 RRF_GRID_KEYWORD_WEIGHT = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 10.0, 20.0)
 
@@ -286,55 +287,89 @@ async def exact_neighbours(pool: asyncpg.Pool, table: str, queries: np.ndarray, 
 
 # ------------------------------------------------------------------------------------------ BM25 grid
 
-# The candidate rows of SearchStore's BM25 statement, grouped per query lexeme: what the score is
-# computed from.
-_BM25_FEATURES = f"""
-    WITH q AS MATERIALIZED ({_BM25_TERMS}),
-    hits AS (
-        SELECT c.id, c.lexeme_count AS dl, m.lexeme, greatest(cardinality(m.positions), 1) AS tf
-        FROM q, chunks c {{joins}}, unnest(ts_filter(setweight(c.search_vector, 'B', q.lexemes), '{{{{b}}}}')) AS m
-        WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {{scope}} AND m.lexeme = ANY(q.lexemes)
-    )
-    SELECT lexeme, array_agg(id ORDER BY id) AS ids, array_agg(tf ORDER BY id) AS tfs,
+# The candidate rows of SearchStore's BM25 statement (the same SQL), grouped per field and lexeme:
+# everything the score is computed from.
+_BM25_FEATURES = (
+    _BM25_HITS
+    + """
+    SELECT field, lexeme, array_agg(id ORDER BY id) AS ids, array_agg(tf ORDER BY id) AS tfs,
            array_agg(dl ORDER BY id) AS dls
-    FROM hits GROUP BY lexeme
+    FROM hits GROUP BY field, lexeme
 """
+)
 
 
-def bm25_top(
-    groups: Sequence[tuple[list[str], np.ndarray, np.ndarray]], n: float, avgdl: float, k1: float, b: float, k: int
-) -> list[str]:
-    """The top k chunk ids by the SQL's BM25 formula (ties by id, as in SQL), in numpy."""
-    if not groups:
-        return []
-    ids = np.concatenate([np.asarray(group[0]) for group in groups])
-    unique, inverse = np.unique(ids, return_inverse=True)
-    tf = np.concatenate([group[1] for group in groups]).astype(np.float64)
-    dl = np.concatenate([group[2] for group in groups]).astype(np.float64)
-    df = np.concatenate([np.full(len(group[0]), float(len(group[0]))) for group in groups])
-    idf = np.log(1 + (np.maximum(n, df) - df + 0.5) / (df + 0.5))
-    contribution = idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / avgdl))
-    scores = np.bincount(inverse, weights=contribution, minlength=len(unique))
-    order = np.argsort(-scores, kind="stable")[:k]  # unique is sorted: a stable sort breaks ties by id
-    return list(unique[order])
+@dataclass(frozen=True)
+class Candidates:
+    """One query's candidate rows as arrays: chunk ids (sorted) and, per (chunk, field, lexeme) row,
+    the chunk's index, field, tf, field length and the lexeme's df."""
+
+    ids: np.ndarray
+    chunk: np.ndarray
+    field: np.ndarray
+    tf: np.ndarray
+    dl: np.ndarray
+    df: np.ndarray
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[asyncpg.Record]) -> Candidates:
+        if not rows:
+            empty = np.zeros(0)
+            return cls(np.zeros(0, dtype=str), empty.astype(int), empty.astype(int), empty, empty, empty)
+        ids = np.concatenate([np.asarray(row["ids"]) for row in rows])
+        unique, inverse = np.unique(ids, return_inverse=True)
+        return cls(
+            unique,
+            inverse,
+            np.concatenate([np.full(len(row["ids"]), row["field"]) for row in rows]),
+            np.concatenate([np.asarray(row["tfs"], dtype=np.float64) for row in rows]),
+            np.concatenate([np.asarray(row["dls"], dtype=np.float64) for row in rows]),
+            np.concatenate([np.full(len(row["ids"]), float(len(row["ids"]))) for row in rows]),
+        )
+
+    def field_scores(self, n: float, averages: tuple[float, float], k1: float, b: float) -> list[np.ndarray]:
+        """Per-chunk BM25 of the words (0) and of the bigrams (1), by the SQL's formula."""
+        idf = np.log(1 + (np.maximum(n, self.df) - self.df + 0.5) / (self.df + 0.5))
+        average = np.where(self.field == 0, averages[0], averages[1])
+        contribution = idf * self.tf * (k1 + 1) / (self.tf + k1 * (1 - b + b * self.dl / average))
+        return [
+            np.bincount(self.chunk, weights=np.where(self.field == field, contribution, 0.0), minlength=len(self.ids))
+            for field in (0, 1)
+        ]
+
+    def top(self, scores: np.ndarray, k: int) -> list[str]:
+        """The k best ids, ties by id as in SQL (ids are sorted, so by index)."""
+        if len(scores) > k:
+            kth = np.partition(-scores, k - 1)[k - 1]
+            keep = np.flatnonzero(-scores <= kth)
+        else:
+            keep = np.arange(len(scores))
+        order = keep[np.lexsort((keep, -scores[keep]))][:k]
+        return list(self.ids[order])
 
 
 async def tune_bm25(
     pool: asyncpg.Pool, terms: Sequence[list[str]], queries: Sequence[Query], answer_of: dict[str, str]
-) -> dict[tuple[float, float], dict[str, float]]:
-    """nDCG@10 / Recall@10 of every (k1, b) in the grid, from one statement per query."""
-    scope = Scope.build(SearchFilters(), None, first_param=2)
-    stats = await pool.fetchrow("SELECT count(*)::float8 AS n, avg(lexeme_count)::float8 AS avgdl FROM chunks")
+) -> dict[tuple[float, float, float], dict[str, float]]:
+    """nDCG@10 / Recall@10 of every (k1, b, bigram weight) in the grid, from one statement per query."""
+    scope = Scope.build(SearchFilters(), None, first_param=3)
+    stats = await pool.fetchrow(
+        "SELECT count(*)::float8 AS n, avg(lexeme_count)::float8 AS words,"
+        " avg(bigram_count) FILTER (WHERE bigram_count > 0)::float8 AS bigrams FROM chunks"
+    )
     assert stats is not None
-    sql = _BM25_FEATURES.format(joins=scope.joins, scope=scope.sql)
-    grid = list(itertools.product(BM25_GRID_K1, BM25_GRID_B))
+    averages = (stats["words"] or 1.0, stats["bigrams"] or 1.0)
+    sql = _BM25_FEATURES.format(terms=_BM25_TERMS.format(text=2), joins=scope.joins, scope=scope.sql)
+    grid = list(itertools.product(BM25_GRID_K1, BM25_GRID_B, BM25_GRID_BIGRAM_WEIGHT))
     runs = {params: Run() for params in grid}
-    for query_terms_ in terms:
-        rows = await pool.fetch(sql, query_terms_, *scope.params) if query_terms_ else []
-        groups = [(list(row["ids"]), np.asarray(row["tfs"]), np.asarray(row["dls"])) for row in rows]
-        for k1, b in grid:
-            top = bm25_top(groups, stats["n"], stats["avgdl"], k1, b, LEG)
-            runs[(k1, b)].rankings.append(answers_of(top, answer_of))
+    for query, query_terms_ in zip(queries, terms, strict=True):
+        rows = await pool.fetch(sql, query_terms_, query.text, *scope.params) if query_terms_ else []
+        candidates = Candidates.from_rows(rows)
+        for k1, b in itertools.product(BM25_GRID_K1, BM25_GRID_B):
+            words, bigrams = candidates.field_scores(stats["n"], averages, k1, b)
+            for weight in BM25_GRID_BIGRAM_WEIGHT:
+                top = candidates.top(words + weight * bigrams, LEG)
+                runs[(k1, b, weight)].rankings.append(answers_of(top, answer_of))
     return {params: run.metrics(queries) for params, run in runs.items()}
 
 
@@ -391,149 +426,221 @@ def plain_bm25(answers: dict[str, str], queries: Sequence[Query], lang: str, k1:
 # --------------------------------------------------------------------------------------- evaluation
 
 
-async def evaluate(
-    pool: asyncpg.Pool,
-    embedder: LocalUSEEmbedder,
-    answers: dict[str, str],
-    queries: list[Query],
-    lang: str,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    scope = Scope.build(SearchFilters(), None, first_param=3)
-    rows = await pool.fetch("SELECT c.id, d.external_id FROM chunks c JOIN documents d ON d.id = c.document_id")
-    answer_of = {row["id"]: row["external_id"] for row in rows}
-    report: dict[str, Any] = {"chunks": len(answer_of)}
-    vectors = QueryVectors(embedder)
-    report["embed_query_ms"] = round(1000 * await vectors.prepare([query.text for query in queries]), 1)
-    terms = [query_terms(query.text) for query in queries]
-    runs: dict[str, Run] = {}
+@dataclass(frozen=True)
+class Choice:
+    k1: float
+    b: float
+    bigram_weight: float
+    rrf_k: int
+    keyword_weight: float
 
-    def say(name: str) -> None:
-        print(f"  {name}: {runs[name].metrics(queries)}", file=sys.stderr, flush=True)
 
-    runs["keyword: plain BM25 reference (Python)"] = plain_bm25(answers, queries, lang)
-    say("keyword: plain BM25 reference (Python)")
+class LanguageBench:
+    """Every measurement of one language's index; the driver runs the languages side by side."""
 
-    store = SearchStore(pool, ef_search=args.ef_search)
-    table = await store.embedding_table(embedder.model_key)
-    assert table is not None
-    runs["vector: HNSW (vector_leg)"], vector_chunks = await timed_legs(
-        queries, lambda i: store.vector_leg(table, vectors[queries[i].text], LEG, scope), answer_of
-    )
-    say("vector: HNSW (vector_leg)")
-    exact = await exact_neighbours(pool, table, np.stack([vectors[q.text] for q in queries]), LEG)
-    runs["vector: exact kNN"] = Run([answers_of(ids, answer_of) for ids in exact])
-    say("vector: exact kNN")
-    report["hnsw_recall"] = {
-        f"@{k}": round(
-            statistics.fmean(
-                len(set(v[:k]) & set(e[:k])) / max(min(k, len(e)), 1) for v, e in zip(vector_chunks, exact, strict=True)
-            ),
-            4,
+    def __init__(self, lang: str, pool: asyncpg.Pool, embedder: LocalUSEEmbedder, args: argparse.Namespace) -> None:
+        self.lang, self.pool, self.args = lang, pool, args
+        self.answers, self.queries = load_data(lang, args.split, args.limit, args.queries)
+        self.embedder = embedder
+        self.vectors = QueryVectors(embedder)
+        self.terms = [query_terms(query.text) for query in self.queries]
+        self.scope = Scope.build(SearchFilters(), None, first_param=3)
+        self.report: dict[str, Any] = {"lang": lang, "answers": len(self.answers), "queries": len(self.queries)}
+        self.runs: dict[str, Run] = {}
+        self.answer_of: dict[str, str] = {}
+        self.vector_lists: list[list[str]] = []
+        self.keyword_lists: list[list[str]] = []
+        self.bm25_grid: dict[tuple[float, float, float], dict[str, float]] = {}
+        self.rrf_grid: dict[tuple[int, float], dict[str, float]] = {}
+        self.grid_rows: dict[str, dict[str, float]] = {}  # figures from the grids, not from a SQL run
+
+    def say(self, name: str) -> None:
+        print(f"  [{self.lang}] {name}: {self.runs[name].metrics(self.queries)}", file=sys.stderr, flush=True)
+
+    async def ingest(self) -> None:
+        print(f"[{self.lang}] {len(self.answers)} answers, {len(self.queries)} queries", file=sys.stderr)
+        if seconds := await ingest(self.pool, self.embedder, self.answers):
+            self.report["ingest_seconds"] = round(seconds, 1)
+
+    async def legs(self) -> None:
+        """The reference, both vector rankings and ts_rank_cd: what does not depend on the choice."""
+        rows = await self.pool.fetch(
+            "SELECT c.id, d.external_id FROM chunks c JOIN documents d ON d.id = c.document_id"
         )
-        for k in (10, LEG)
-    }
+        self.answer_of = {row["id"]: row["external_id"] for row in rows}
+        self.report["chunks"] = len(self.answer_of)
+        per_query = await self.vectors.prepare([query.text for query in self.queries])
+        self.report["embed_query_ms"] = round(1000 * per_query, 1)
+        queries, terms, scope = self.queries, self.terms, self.scope
 
-    ts_rank = SearchStore(pool, keyword_ranking="ts_rank")
-    runs["keyword: ts_rank_cd"], _ = await timed_legs(
-        queries, lambda i: ts_rank.keyword_leg(terms[i], LEG, scope), answer_of
-    )
-    say("keyword: ts_rank_cd")
+        name = "keyword: plain BM25 reference (Python, k1=1.2 b=0.75)"
+        self.runs[name] = plain_bm25(self.answers, queries, self.lang)
+        self.say(name)
 
-    async def bm25(k1: float, b: float, label: str = "") -> list[list[str]]:
-        keyword = SearchStore(pool, keyword_ranking="bm25", bm25_k1=k1, bm25_b=b)
-        name = f"keyword: BM25 k1={k1} b={b}{label}"
-        runs[name], chunk_lists = await timed_legs(
-            queries, lambda i: keyword.keyword_leg(terms[i], LEG, scope), answer_of
+        store = SearchStore(self.pool, ef_search=self.args.ef_search)
+        table = await store.embedding_table(self.embedder.model_key)
+        assert table is not None
+        name = "vector: HNSW (vector_leg)"
+        self.runs[name], self.vector_lists = await timed_legs(
+            queries, lambda i: store.vector_leg(table, self.vectors[queries[i].text], LEG, scope), self.answer_of
         )
-        say(name)
-        return chunk_lists
+        self.say(name)
+        exact = await exact_neighbours(self.pool, table, np.stack([self.vectors[q.text] for q in queries]), LEG)
+        self.runs["vector: exact kNN"] = Run([answers_of(ids, self.answer_of) for ids in exact])
+        self.say("vector: exact kNN")
+        self.report["hnsw_recall_vs_exact"] = {
+            f"@{k}": round(
+                statistics.fmean(
+                    len(set(v[:k]) & set(e[:k])) / max(min(k, len(e)), 1)
+                    for v, e in zip(self.vector_lists, exact, strict=True)
+                ),
+                4,
+            )
+            for k in (TOP, LEG)
+        }
+        if not self.args.skip_ts_rank:
+            ts_rank = SearchStore(self.pool, keyword_ranking="ts_rank")
+            name = "keyword: ts_rank_cd (words)"
+            self.runs[name], _ = await timed_legs(
+                queries, lambda i: ts_rank.keyword_leg(terms[i], LEG, scope), self.answer_of
+            )
+            self.say(name)
 
-    k1, b, rrf_k, keyword_weight = args.k1, args.b, args.rrf_k, args.keyword_weight
-    keyword_lists = await bm25(k1, b)
-    if args.tune:
-        grid = await tune_bm25(pool, terms, queries, answer_of)
-        report["bm25_grid"] = [{"k1": k1_, "b": b_, **m} for (k1_, b_), m in grid.items()]
-        if (k1, b) in grid:  # the numpy scoring must agree with the SQL it stands in for
-            sql = Run([answers_of(ids, answer_of) for ids in keyword_lists]).metrics(queries)
-            report["bm25_grid_check"] = {"sql": sql, "numpy": grid[(k1, b)]}
-        best = max(grid, key=lambda params: (grid[params]["ndcg@10"], grid[params]["recall@10"]))
-        report["bm25_best"] = {"k1": best[0], "b": best[1], **grid[best]}
-        print(f"  BM25 grid best: {report['bm25_best']}", file=sys.stderr, flush=True)
-        if best != (k1, b):
-            k1, b = best
-            keyword_lists = await bm25(k1, b, " (tuned)")
+    async def tune_bm25(self) -> None:
+        self.bm25_grid = await tune_bm25(self.pool, self.terms, self.queries, self.answer_of)
+        best = max(self.bm25_grid, key=lambda p: (self.bm25_grid[p]["ndcg@10"], self.bm25_grid[p]["recall@10"]))
+        self.report["bm25_grid"] = [
+            {"k1": k1, "b": b, "bigram_weight": w, **m} for (k1, b, w), m in self.bm25_grid.items()
+        ]
+        self.report["bm25_best_for_this_language"] = dict(zip(("k1", "b", "bigram_weight"), best, strict=True))
+        self.report["bm25_best_for_this_language"].update(self.bm25_grid[best])
 
-        fusion = {}
+    async def keyword(self, k1: float, b: float, bigram_weight: float) -> None:
+        """The BM25 keyword leg through the real SQL, with the query text as the retriever passes it."""
+        keyword = SearchStore(self.pool, bm25_k1=k1, bm25_b=b, bigram_weight=bigram_weight)
+        name = f"keyword: BM25 words + bigrams (k1={k1} b={b} bigram weight {bigram_weight})"
+        queries, terms, scope = self.queries, self.terms, self.scope
+        self.runs[name], self.keyword_lists = await timed_legs(
+            queries, lambda i: keyword.keyword_leg(terms[i], LEG, scope, query=queries[i].text), self.answer_of
+        )
+        self.say(name)
+        if (k1, b, bigram_weight) in self.bm25_grid:  # the numpy scoring must agree with the SQL
+            sql = self.runs[name].metrics(queries)
+            self.report["bm25_grid_check"] = {"sql": sql, "numpy": self.bm25_grid[(k1, b, bigram_weight)]}
+        words_only = self.bm25_grid.get((k1, b, 0.0))
+        if words_only is not None and bigram_weight:
+            self.grid_rows[f"keyword: BM25 words only (k1={k1} b={b}; numpy on the same SQL rows)"] = words_only
+
+    def tune_rrf(self) -> None:
         for k, weight in itertools.product(RRF_GRID_K, RRF_GRID_KEYWORD_WEIGHT):
             run = Run()
-            for v, kw in zip(vector_chunks, keyword_lists, strict=True):
+            for v, kw in zip(self.vector_lists, self.keyword_lists, strict=True):
                 fused = reciprocal_rank_fusion([v, kw], weights=[1.0, weight], k=k)
-                run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], answer_of))
-            fusion[(k, weight)] = run.metrics(queries)
-        rrf_k, keyword_weight = max(fusion, key=lambda p: (fusion[p]["ndcg@10"], fusion[p]["recall@10"]))
-        report["rrf_grid"] = [{"k": k, "keyword_weight": w, **m} for (k, w), m in fusion.items()]
-        report["rrf_best"] = {"k": rrf_k, "keyword_weight": keyword_weight, **fusion[(rrf_k, keyword_weight)]}
-        print(f"  RRF grid best: {report['rrf_best']}", file=sys.stderr, flush=True)
-    report["settings"] = {
-        "bm25_k1": k1,
-        "bm25_b": b,
-        "rrf_k": rrf_k,
-        "vector_weight": 1.0,
-        "keyword_weight": keyword_weight,
-        "leg_size": LEG,
-        "ef_search": args.ef_search,
-    }
+                run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
+            self.rrf_grid[(k, weight)] = run.metrics(self.queries)
+        self.report["rrf_grid"] = [{"k": k, "keyword_weight": w, **m} for (k, w), m in self.rrf_grid.items()]
+        best = max(self.rrf_grid, key=lambda p: (self.rrf_grid[p]["ndcg@10"], self.rrf_grid[p]["recall@10"]))
+        self.report["rrf_best_for_this_language"] = {"k": best[0], "keyword_weight": best[1], **self.rrf_grid[best]}
 
-    fused_settings = {(60, 1.0): "RRF k=60, weights 1/1 (previous defaults)"}
-    fused_settings.setdefault((rrf_k, keyword_weight), f"RRF k={rrf_k}, weights 1/{keyword_weight} (vector/keyword)")
-    for (k, weight), name in fused_settings.items():
-        retriever = HybridRetriever(
-            SearchStore(pool, ef_search=args.ef_search, keyword_ranking="bm25", bm25_k1=k1, bm25_b=b),
-            vectors,
-            CitationStore(pool),
-            settings=RetrievalSettings(leg_size=LEG, rrf_k=k, vector_weight=1.0, keyword_weight=weight),
+    async def fused(self, choice: Choice) -> None:
+        settings = {(60, 1.0): "RRF k=60, weights 1/1 (untuned)"}
+        settings.setdefault(
+            (choice.rrf_k, choice.keyword_weight),
+            f"RRF k={choice.rrf_k}, weights 1/{choice.keyword_weight} (vector/keyword)",
         )
+        for (k, weight), label in settings.items():
+            store = SearchStore(
+                self.pool,
+                ef_search=self.args.ef_search,
+                bm25_k1=choice.k1,
+                bm25_b=choice.b,
+                bigram_weight=choice.bigram_weight,
+            )
+            retriever = HybridRetriever(
+                store,
+                self.vectors,
+                CitationStore(self.pool),
+                settings=RetrievalSettings(leg_size=LEG, rrf_k=k, vector_weight=1.0, keyword_weight=weight),
+            )
 
-        async def search(i: int, retriever: HybridRetriever = retriever) -> list[str]:
-            response = await retriever.search(SearchRequest(query=queries[i].text, top_k=TOP))
-            return [result.chunk_id for result in response.results]
+            async def search(i: int, retriever: HybridRetriever = retriever) -> list[str]:
+                response = await retriever.search(SearchRequest(query=self.queries[i].text, top_k=TOP))
+                return [result.chunk_id for result in response.results]
 
-        runs[f"fused: {name}"], _ = await timed_legs(queries, search, answer_of)
-        say(f"fused: {name}")
-    report["runs"] = {name: run.metrics(queries) for name, run in runs.items()}
-    return report
+            name = f"fused: {label}"
+            self.runs[name], _ = await timed_legs(self.queries, search, self.answer_of)
+            self.say(name)
+
+    def finish(self, choice: Choice) -> dict[str, Any]:
+        self.report["settings"] = {
+            **asdict(choice),
+            "vector_weight": 1.0,
+            "leg_size": LEG,
+            "ef_search": self.args.ef_search,
+        }
+        self.report["runs"] = {name: run.metrics(self.queries) for name, run in self.runs.items()}
+        self.report["runs"].update(self.grid_rows)
+        return self.report
+
+
+def joint_best(grids: Sequence[dict[Any, dict[str, float]]]) -> Any:
+    """The grid point with the best mean nDCG@10 (then Recall@10) over the languages."""
+    return max(
+        grids[0],
+        key=lambda point: (
+            statistics.fmean(grid[point]["ndcg@10"] for grid in grids),
+            statistics.fmean(grid[point]["recall@10"] for grid in grids),
+        ),
+    )
+
+
+async def measure(benches: Sequence[LanguageBench], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Measure the languages side by side; with ``--tune``, choose one setting for all of them."""
+    await asyncio.gather(*(bench.legs() for bench in benches))
+    choice = Choice(args.k1, args.b, args.bigram_weight, args.rrf_k, args.keyword_weight)
+    if args.tune:
+        await asyncio.gather(*(bench.tune_bm25() for bench in benches))
+        k1, b, bigram_weight = joint_best([bench.bm25_grid for bench in benches])
+        choice = Choice(k1, b, bigram_weight, choice.rrf_k, choice.keyword_weight)
+        print(f"  BM25 chosen: k1={k1} b={b} bigram weight {bigram_weight}", file=sys.stderr, flush=True)
+    await asyncio.gather(*(bench.keyword(choice.k1, choice.b, choice.bigram_weight) for bench in benches))
+    if args.tune:
+        for bench in benches:
+            bench.tune_rrf()
+        rrf_k, keyword_weight = joint_best([bench.rrf_grid for bench in benches])
+        choice = Choice(choice.k1, choice.b, choice.bigram_weight, rrf_k, keyword_weight)
+        print(f"  RRF chosen: k={rrf_k} keyword weight {keyword_weight}", file=sys.stderr, flush=True)
+    await asyncio.gather(*(bench.fused(choice) for bench in benches))
+    return [bench.finish(choice) for bench in benches]
 
 
 def write_results(reports: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for report in reports:
         print(
-            f"\n{report['lang']}: {report['answers']} answers ({report['chunks']} chunks), "
-            f"{report['queries']} {args.split} queries; HNSW recall vs exact {report['hnsw_recall']}"
+            f"\n{report['lang']}: {report['answers']} answers ({report['chunks']} chunks), {report['queries']}"
+            f" {args.split} queries; HNSW recall vs exact kNN {report['hnsw_recall_vs_exact']}"
         )
-        print(f"  {'run':58} {'nDCG@10':>8} {'R@10':>7} {'p50 ms':>7} {'p95 ms':>7}")
+        print(f"  {'run':86} {'nDCG@10':>8} {'R@10':>7} {'p50 ms':>7} {'p95 ms':>7}")
         for name, m in report["runs"].items():
             print(
-                f"  {name:58} {m['ndcg@10']:8.4f} {m['recall@10']:7.4f}"
+                f"  {name:86} {m['ndcg@10']:8.4f} {m['recall@10']:7.4f}"
                 f" {m.get('p50_ms', float('nan')):7.1f} {m.get('p95_ms', float('nan')):7.1f}"
             )
         print(f"  plain BM25, published (test split): nDCG@10 {REFERENCE_BM25[report['lang']]}")
-        for key in ("bm25_best", "rrf_best"):
+        for key in ("settings", "bm25_best_for_this_language", "rrf_best_for_this_language", "bm25_grid_check"):
             if key in report:
                 print(f"  {key}: {report[key]}")
     suffix = f"-limit{args.limit}" if args.limit else ""
     suffix += f"-q{args.queries}" if args.queries else ""
     out = args.out or Path(__file__).parent / "results" / f"quality-{args.split}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    existing = json.loads(out.read_text()) if out.exists() else {}
-    existing.update({report["lang"]: report for report in reports})
-    existing["command"] = " ".join(["bench/quality.py", *sys.argv[1:]])
-    existing["reference_plain_bm25_ndcg@10_test"] = REFERENCE_BM25
-    out.write_text(json.dumps(existing, indent=1, ensure_ascii=False) + "\n")
+    results: dict[str, Any] = {
+        "command": " ".join(["bench/quality.py", *sys.argv[1:]]),
+        "reference_plain_bm25_ndcg@10_test": REFERENCE_BM25,
+    }
+    results.update({report["lang"]: report for report in reports})
+    out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     print(f"\nwritten {out}")
-
-
-# --------------------------------------------------------------------------------------------- main
 
 
 async def database(base_dsn: str, name: str) -> str:
@@ -547,24 +654,22 @@ async def database(base_dsn: str, name: str) -> str:
     return base_dsn.rsplit("/", 1)[0] + f"/{name}"
 
 
-async def run_language(base_dsn: str, lang: str, args: argparse.Namespace) -> dict[str, Any]:
-    answers, queries = load_data(lang, args.split, args.limit, args.queries)
-    name = f"quality_{lang}" + (f"_{args.limit}" if args.limit else "")
-    pool = await connect_pool(await database(base_dsn, name), max_size=4)
+async def run(base_dsn: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    pools, benches = [], []
     embedder = LocalUSEEmbedder(threads=args.threads)
     try:
-        print(f"[{lang}] {len(answers)} answers, {len(queries)} {args.split} queries", file=sys.stderr)
-        seconds = await ingest(pool, embedder, answers)
-        report: dict[str, Any] = {"lang": lang, "answers": len(answers), "queries": len(queries)}
-        if seconds:
-            report["ingest_seconds"] = round(seconds, 1)
+        for lang in args.lang:
+            name = f"quality_{lang}" + (f"_{args.limit}" if args.limit else "")
+            pools.append(await connect_pool(await database(base_dsn, name), max_size=4))
+            benches.append(LanguageBench(lang, pools[-1], embedder, args))
+            await benches[-1].ingest()
         if args.ingest_only:
-            return report
-        report.update(await evaluate(pool, embedder, answers, queries, lang, args))
-        return report
+            return [bench.report for bench in benches]
+        return await measure(benches, args)
     finally:
         await embedder.aclose()
-        await pool.close()
+        for pool in pools:
+            await pool.close()
 
 
 def main() -> None:
@@ -575,25 +680,24 @@ def main() -> None:
     parser.add_argument("--queries", type=int, help="only the first N queries of the split")
     parser.add_argument("--tune", action="store_true", help="also search the BM25 (k1, b) and RRF (k, weight) grids")
     parser.add_argument("--ingest-only", action="store_true")
+    parser.add_argument("--skip-ts-rank", action="store_true", help="do not measure the ts_rank_cd ranking")
     parser.add_argument("--threads", type=int, default=2, help="embedder threads")
-    parser.add_argument("--k1", type=float, default=DEFAULT_K1, help="BM25 k1 of the keyword leg")
-    parser.add_argument("--b", type=float, default=DEFAULT_B, help="BM25 b of the keyword leg")
-    parser.add_argument("--rrf-k", type=int, default=DEFAULT_RRF_K)
-    parser.add_argument("--keyword-weight", type=float, default=DEFAULT_KEYWORD_WEIGHT, help="vector weight is 1")
+    parser.add_argument("--k1", type=float, default=DEFAULTS.bm25_k1, help="BM25 k1 of the keyword leg")
+    parser.add_argument("--b", type=float, default=DEFAULTS.bm25_b, help="BM25 b of the keyword leg")
+    parser.add_argument("--bigram-weight", type=float, default=DEFAULTS.bm25_bigram_weight, help="BM25 bigram weight")
+    parser.add_argument("--rrf-k", type=int, default=DEFAULTS.rrf_k)
+    parser.add_argument("--keyword-weight", type=float, default=DEFAULTS.rrf_keyword_weight, help="vector weight is 1")
     parser.add_argument("--ef-search", type=int, default=100, help="hnsw.ef_search of the vector leg")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "ragstream-quality")
     parser.add_argument("--out", type=Path, help="JSON results (default bench/results/quality-<split>.json)")
     args = parser.parse_args()
 
-    async def run(dsn: str) -> list[dict[str, Any]]:
-        return [await run_language(dsn, lang, args) for lang in args.lang]
-
     if dsn := os.environ.get("DATABASE_URL"):
-        reports = asyncio.run(run(dsn))
+        reports = asyncio.run(run(dsn, args))
     else:
         args.data_dir.mkdir(parents=True, exist_ok=True)
         with EmbeddedPostgres(args.data_dir) as server:
-            reports = asyncio.run(run(server.dsn))
+            reports = asyncio.run(run(server.dsn, args))
     if not args.ingest_only:
         write_results(reports, args)
 

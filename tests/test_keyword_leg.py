@@ -16,7 +16,7 @@ from ragstream.runtime import Runtime
 from ragstream.segmentation import query_terms
 from ragstream.storage.documents import document_id
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import KeywordRanking, SearchStore
+from ragstream.storage.search import KeywordRanking, SearchStore, _CorpusStats
 
 pytestmark = pytest.mark.integration
 
@@ -65,12 +65,15 @@ async def found(
     filters: SearchFilters | None = None,
     principal: Principal | None = None,
     limit: int = 10,
+    raw: bool = True,
 ) -> list[str]:
-    """Sources of the keyword leg's results, best first, within one connection (unless told)."""
+    """Sources of the keyword leg's results, best first, within one connection (unless told).
+    ``raw``: pass the query text too, as the retriever does (for its Chinese bigrams)."""
     store = SearchStore(runtime.pool, keyword_ranking=ranking)
     scope = Scope.build(filters or SearchFilters(connection_ids=[connection]), principal, first_param=3)
     terms = query_terms(query) if isinstance(query, str) else list(query)
-    ids = await store.keyword_leg(terms, limit, scope)
+    text = query if isinstance(query, str) and raw else None
+    ids = await store.keyword_leg(terms, limit, scope, query=text)
     rows = await runtime.pool.fetch(
         "SELECT c.id, d.source FROM chunks c JOIN documents d ON d.id = c.document_id WHERE c.id = ANY($1)", ids
     )
@@ -128,6 +131,22 @@ async def test_chinese_words_are_found_by_a_segmented_query(runtime: Runtime) ->
     assert (await found(runtime, "VPN 申请", connection))[0] == "混合.txt"
     # Stop words alone match nothing rather than everything.
     assert await found(runtime, "的 了 是", connection) == []
+
+
+async def test_chinese_bigrams_match_what_segmentation_cut_differently(runtime: Runtime) -> None:
+    connection = await index(runtime, {"退保.txt": "退保手续费如何计算？", "贷款.txt": "保单贷款的利息按年计算。"})
+    # jieba cuts the query into 退 / 保费 and the chunk into 退保 / 手续费: no word in common.
+    assert await found(runtime, "退保费", connection, raw=False) == []
+    assert await found(runtime, "退保费", connection) == ["退保.txt"]
+    # The bigram field and its length are derived from the row by the trigger of migration 0004.
+    row = await runtime.pool.fetchrow(
+        "SELECT c.bigram_vector::text AS bigrams, c.bigram_count FROM chunks c JOIN documents d"
+        " ON d.id = c.document_id WHERE d.connection_id = $1 AND d.source = '退保.txt'",
+        connection,
+    )
+    assert row is not None
+    assert "'退保'" in row["bigrams"] and "'算'" not in row["bigrams"]
+    assert row["bigram_count"] == len("退保手续费如何计算") - 1
 
 
 async def test_identifiers_are_found_whole(runtime: Runtime) -> None:
@@ -190,7 +209,7 @@ async def test_odd_terms_and_stale_statistics_are_harmless(runtime: Runtime) -> 
     assert len(await store.keyword_leg(["zwieback"], 5, scope)) == 1
     # A cached chunk count older than the documents: df exceeds it, the scores stay finite.
     await index(runtime, {f"z{n}.txt": "zwieback crumbs" for n in range(30)}, connection=connection)
-    store._stats = (time.monotonic(), 3.0, 4.0)
+    store._stats = _CorpusStats(time.monotonic(), 3.0, 4.0, 4.0)
     assert len(await store.keyword_leg(["zwieback", "toast"], 50, scope)) == 31
     assert (await store.keyword_leg(["zwieback", "toast"], 1, scope)) == await store.keyword_leg(["toast"], 1, scope)
 

@@ -109,11 +109,19 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
             embed=EmbedService(embedder),
             indexer=IndexService(store),
             retriever=HybridRetriever(
-                SearchStore(pool, ef_search=settings.hnsw_ef_search),
+                SearchStore(
+                    pool,
+                    ef_search=settings.hnsw_ef_search,
+                    bm25_k1=settings.bm25_k1,
+                    bm25_b=settings.bm25_b,
+                    bigram_weight=settings.bm25_bigram_weight,
+                ),
                 embedder,
                 CitationStore(pool),
                 settings=RetrievalSettings(
-                    vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
+                    rrf_k=settings.rrf_k,
+                    vector_weight=settings.rrf_vector_weight,
+                    keyword_weight=settings.rrf_keyword_weight,
                 ),
                 reranker=reranker,
                 rephraser=rephraser,

@@ -59,7 +59,7 @@ class HybridRetriever:
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
         vector_ids, keyword_ids = await asyncio.gather(
-            self._vector_leg(query, scope), self._store.keyword_leg(terms, self._settings.leg_size, scope)
+            self._vector_leg(query, scope), self._store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
         )
         fused = reciprocal_rank_fusion(
             [vector_ids, keyword_ids],

@@ -27,44 +27,78 @@ _TSQUERY = """
     ), ' | '), '')::tsquery AS query
 """
 
-# BM25 scores single lexemes: the query's lexemes under the index's normalisation (stemmed English,
-# jieba words, identifiers), each quoted as a one-lexeme tsquery (quotes and backslashes doubled),
-# all OR-ed so that the GIN index finds every chunk holding at least one of them. MATERIALIZED:
-# inlined, to_tsvector would run again for every candidate row.
-_BM25_TERMS = r"""
-    SELECT lexemes, NULLIF(array_to_string(ARRAY(
+# BM25 scores single lexemes of two fields:
+# - words (search_vector): the query's lexemes under the index's normalisation (stemmed English,
+#   jieba words, identifiers);
+# - CJK character bigrams (bigram_vector, migration 0004) of the raw query text, when the caller
+#   passes it: they match Chinese that jieba cut differently in the query and in the chunk.
+# Each lexeme is quoted as a one-lexeme tsquery (quotes and backslashes doubled) and all are OR-ed,
+# so that the GIN indexes find every chunk holding at least one of them. MATERIALIZED: inlined, the
+# normalisation would run again for every candidate row.
+_OR_QUERY = r"""NULLIF(array_to_string(ARRAY(
         SELECT '''' || replace(replace(lexeme, '\', '\\'), '''', '''''') || ''''
-        FROM unnest(lexemes) AS lexeme
-    ), ' | '), '')::tsquery AS query
-    FROM (SELECT tsvector_to_array(to_tsvector('english', array_to_string($1::text[], ' '))) AS lexemes) AS t
+        FROM unnest({lexemes}) AS lexeme
+    ), ' | '), '')::tsquery"""
+_BM25_TERMS = f"""
+    SELECT lexemes, {_OR_QUERY.format(lexemes="lexemes")} AS query,
+           bigrams, {_OR_QUERY.format(lexemes="bigrams")} AS bigram_query
+    FROM (SELECT tsvector_to_array(to_tsvector('english', array_to_string($1::text[], ' '))) AS lexemes,
+                 tsvector_to_array(to_tsvector('simple', cjk_bigrams(coalesce(${{text}}::text, '')))) AS bigrams) AS t
 """
 
-# Okapi BM25 over the candidates, with Lucene's idf ln(1 + (N - df + 0.5) / (df + 0.5)):
-# - tf: positions of the lexeme in the chunk (title and heading included, as in the tsvector). The
-#   chunk's vector is first cut down to the query's lexemes in C (setweight on those lexemes, then
+# One row per (candidate chunk, field, matched lexeme) with its term frequency and the field length:
+# - tf: positions of the lexeme in the chunk (title and heading included, as in the vectors). The
+#   vectors are first cut down to the query's lexemes in C (setweight on those lexemes, then
 #   ts_filter on that weight): unnesting whole vectors costs about 6x more on InsuranceQA. The cut
 #   drops the title/heading weight, so a heading match counts as much as a body match;
-# - dl: chunks.lexeme_count, written with the tsvector at index time;
+# - dl: chunks.lexeme_count / chunks.bigram_count, written with the vectors at index time.
+_BM25_HITS = """
+    WITH q AS MATERIALIZED ({terms}),
+    hits AS (
+        SELECT c.id, h.field, CASE h.field WHEN 0 THEN c.lexeme_count ELSE c.bigram_count END AS dl,
+               h.lexeme, greatest(h.tf, 1) AS tf
+        FROM q, chunks c {joins}, LATERAL (
+            SELECT 0 AS field, m.lexeme, cardinality(m.positions) AS tf
+            FROM unnest(ts_filter(setweight(c.search_vector, 'B', q.lexemes), '{{b}}')) AS m
+            WHERE m.lexeme = ANY(q.lexemes)
+            UNION ALL
+            SELECT 1, m.lexeme, cardinality(m.positions)
+            FROM unnest(ts_filter(setweight(c.bigram_vector, 'B', q.bigrams), '{{b}}')) AS m
+            WHERE m.lexeme = ANY(q.bigrams)
+        ) AS h
+        WHERE (c.search_vector @@ q.query OR c.bigram_vector @@ q.bigram_query) AND {scope}
+    )"""
+
+# Okapi BM25 per field with Lucene's idf ln(1 + (N - df + 0.5) / (df + 0.5)), the bigram field's
+# score weighted by bigram_weight and added to the words' (a sum of per-field BM25s):
 # - df: the candidates that hold the lexeme, a window count. Every chunk in scope holding a query
 #   lexeme is a candidate, so this is the exact document frequency *within the scope*, for free (no
 #   extra index probe per lexeme), and chunks the caller may not see cannot shift the ranking;
-# - N and avgdl: corpus-wide, from a briefly cached aggregate (SearchStore._corpus_stats).
+# - N and the average field lengths: corpus-wide, from a briefly cached aggregate (_corpus_stats).
 # The statement's own parameters follow the scope's ($3..), which both legs share.
-_BM25 = """
-    WITH q AS MATERIALIZED ({terms}),
-    hits AS (
-        SELECT c.id, c.lexeme_count AS dl, m.lexeme, greatest(cardinality(m.positions), 1) AS tf
-        FROM q, chunks c {joins}, unnest(ts_filter(setweight(c.search_vector, 'B', q.lexemes), '{{b}}')) AS m
-        WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope} AND m.lexeme = ANY(q.lexemes)
-    ),
-    counted AS (SELECT id, dl, tf, count(*) OVER (PARTITION BY lexeme)::float8 AS df FROM hits),
-    p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avgdl}::float8 AS avgdl)
+_BM25 = (
+    _BM25_HITS
+    + """,
+    counted AS (SELECT id, field, dl, tf, count(*) OVER (PARTITION BY field, lexeme)::float8 AS df FROM hits),
+    p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avg_words}::float8 AS avg_words,
+                 ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight)
     SELECT id FROM counted, p
     GROUP BY id
-    ORDER BY sum(ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5))
-                 * tf * (p.k1 + 1) / (tf + p.k1 * (1 - p.b + p.b * dl / p.avgdl))) DESC, id
+    ORDER BY sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
+                 * ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5)) * tf * (p.k1 + 1)
+                 / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
+    ) DESC, id
     LIMIT $2
 """
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _CorpusStats:
+    taken_at: float
+    chunks: float
+    average_words: float
+    average_bigrams: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +118,9 @@ class ChunkRecord:
 class SearchStore:
     """The SQL of both legs.
 
-    ``keyword_ranking`` orders the keyword leg by Okapi BM25 computed in SQL (``bm25_k1``,
-    ``bm25_b``), or by PostgreSQL's ``ts_rank_cd`` (``"ts_rank"``).
-    ``docs/retrieval-quality.md`` has the measurements behind the defaults.
+    ``keyword_ranking`` orders the keyword leg by Okapi BM25 computed in SQL over words and CJK
+    bigrams (``bm25_k1``, ``bm25_b``, ``bigram_weight``), or by PostgreSQL's ``ts_rank_cd`` over
+    words (``"ts_rank"``). ``docs/retrieval-quality.md`` has the measurements behind the defaults.
     """
 
     def __init__(
@@ -97,18 +131,19 @@ class SearchStore:
         keyword_ranking: KeywordRanking = "bm25",
         bm25_k1: float = 1.2,
         bm25_b: float = 0.75,
+        bigram_weight: float = 0.5,
         stats_ttl_s: float = 300.0,
     ) -> None:
         if keyword_ranking not in ("bm25", "ts_rank"):
             raise ValueError(f"unknown keyword ranking {keyword_ranking!r}")
-        if bm25_k1 < 0 or not 0 <= bm25_b <= 1:
-            raise ValueError("BM25 needs k1 >= 0 and 0 <= b <= 1")
+        if bm25_k1 < 0 or not 0 <= bm25_b <= 1 or bigram_weight < 0:
+            raise ValueError("BM25 needs k1 >= 0, 0 <= b <= 1 and bigram_weight >= 0")
         self._pool = pool
         self._ef_search = ef_search
         self._keyword_ranking = keyword_ranking
-        self._bm25 = (float(bm25_k1), float(bm25_b))
+        self._bm25 = (float(bm25_k1), float(bm25_b), float(bigram_weight))
         self._stats_ttl_s = stats_ttl_s
-        self._stats: tuple[float, float, float] | None = None  # (taken at, chunks, average length)
+        self._stats: _CorpusStats | None = None
 
     async def embedding_table(self, model_key: str) -> str | None:
         value = await self._pool.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
@@ -177,8 +212,15 @@ class SearchStore:
         )
         return [row["id"] for row in rows]
 
-    async def keyword_leg(self, terms: Sequence[str], limit: int, scope: Scope) -> list[str]:
-        """Ids of the best ``limit`` chunks in the scope holding at least one of the terms."""
+    async def keyword_leg(
+        self, terms: Sequence[str], limit: int, scope: Scope, *, query: str | None = None
+    ) -> list[str]:
+        """Ids of the best ``limit`` chunks in the scope holding at least one of the terms.
+
+        ``terms`` are the query's words (``segmentation.query_terms``). ``query``, the raw text they
+        came from, adds its Chinese character bigrams to the BM25 ranking; without it, BM25 ranks by
+        the words alone.
+        """
         if not terms:
             return []
         if self._keyword_ranking == "ts_rank":
@@ -191,36 +233,47 @@ class SearchStore:
                 *scope.params,
             )
             return [row["id"] for row in rows]
-        chunks, average_length = await self._corpus_stats()
-        k1, b = self._bm25
+        stats = await self._corpus_stats()
+        k1, b, bigram_weight = self._bm25
+        values = {
+            "text": query,
+            "k1": k1,
+            "b": b,
+            "n": stats.chunks,
+            "avg_words": stats.average_words,
+            "avg_bigrams": stats.average_bigrams,
+            "bigram_weight": bigram_weight,
+        }
         first = 3 + len(scope.params)
-        numbers = dict(zip(("k1", "b", "n", "avgdl"), range(first, first + 4), strict=True))
+        numbers = {name: first + offset for offset, name in enumerate(values)}
+        terms_sql = _BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._pool.fetch(
-            _BM25.format(terms=_BM25_TERMS, joins=scope.joins, scope=scope.sql, **numbers),
+            _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, **numbers),
             list(terms),
             limit,
             *scope.params,
-            k1,
-            b,
-            chunks,
-            average_length,
+            *values.values(),
         )
         return [row["id"] for row in rows]
 
-    async def _corpus_stats(self) -> tuple[float, float]:
-        """Number of chunks and their average lexeme count, at most ``stats_ttl_s`` old.
+    async def _corpus_stats(self) -> _CorpusStats:
+        """Number of chunks and average field lengths, at most ``stats_ttl_s`` old.
 
-        Both only normalise scores and move slowly as documents come and go, so a few minutes of
-        staleness does not change a ranking noticeably; reading them on every search would scan the
-        chunks table (or an index of it) per query. Corpus-wide on purpose: an aggregate over all
-        chunks says nothing about any one chunk a caller may not see.
+        They only normalise scores and move slowly as documents come and go, so a few minutes of
+        staleness does not change a ranking noticeably, while reading them on every search would
+        scan an index of every chunk per query. Corpus-wide on purpose: an aggregate over all chunks
+        says nothing about any one chunk a caller may not see. The bigram average is over chunks
+        that have bigrams: English chunks have none and would make every Chinese chunk look long.
         """
         now = time.monotonic()
-        if self._stats is None or now - self._stats[0] > self._stats_ttl_s:
-            row = await self._pool.fetchrow("SELECT count(*) AS n, avg(lexeme_count)::float8 AS avgdl FROM chunks")
+        if self._stats is None or now - self._stats.taken_at > self._stats_ttl_s:
+            row = await self._pool.fetchrow(
+                "SELECT count(*) AS n, avg(lexeme_count)::float8 AS words,"
+                " avg(bigram_count) FILTER (WHERE bigram_count > 0)::float8 AS bigrams FROM chunks"
+            )
             assert row is not None
-            self._stats = (now, float(row["n"]), float(row["avgdl"] or 0.0) or 1.0)
-        return self._stats[1], self._stats[2]
+            self._stats = _CorpusStats(now, float(row["n"]), row["words"] or 1.0, row["bigrams"] or 1.0)
+        return self._stats
 
     async def chunks(self, chunk_ids: Sequence[str]) -> dict[str, ChunkRecord]:
         rows = await self._pool.fetch(
