@@ -17,10 +17,12 @@ from rich.table import Table
 
 from ragstream.chunking import parse_chunking
 from ragstream.connectors.folder import FolderConnector
+from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_runtime, resolve_database
 from ragstream.settings import Settings
+from ragstream.stages.replay import ReplayService
 
 __all__ = ["app"]
 
@@ -178,6 +180,54 @@ def search(
             console.print()
 
     _run(run)
+
+
+@app.command()
+def replay(
+    connection: Annotated[str | None, typer.Option("--connection", help="Only this connection's failures")] = None,
+    kafka: Annotated[
+        str | None,
+        typer.Option("--kafka", help="Bootstrap servers: publish to doc.changed for the services instead of in here"),
+    ] = None,
+    dead_letter: Annotated[
+        bool, typer.Option("--dead-letter", help="Re-drive the dead-letter topic (needs --kafka), not the table")
+    ] = False,
+) -> None:
+    """Re-drive failed documents from their staged content. Exit 1 if any still fail (embedded)."""
+    if dead_letter and kafka is None:
+        raise typer.BadParameter("--dead-letter reads the topic: give --kafka BOOTSTRAP_SERVERS")
+
+    async def run(runtime: Runtime) -> bool:
+        if kafka is None:
+            counts, progress = await runtime.pipeline().replay(connection)
+            failures = await runtime.store.failures(connection)
+        else:
+            broker = create_broker(kafka, "replay")
+            await broker.start()
+            try:
+                service, sink = ReplayService(runtime.store), KafkaChangeSink(broker)
+                if dead_letter:
+                    counts = await service.dead_letters(dead_letters(kafka), sink, connection)
+                else:
+                    counts = await service.failures(sink, connection)
+            finally:
+                await broker.stop()
+            progress, failures = None, []
+        console.print(
+            f"replayed {counts.replayed}"
+            + (f" ({progress.indexed} indexed, {progress.failed} failed again)" if progress else " (published)")
+            + f"; {counts.needs_sync} need a sync (failed before staging); {counts.resolved} already resolved"
+        )
+        if failures:
+            table = Table("document", "step", "reason", "retries", title="Documents that still do not index")
+            for failure in failures:
+                table.add_row(
+                    failure.source, failure.step, f"{failure.code}: {failure.message}", str(failure.retry_count)
+                )
+            console.print(table)
+        return not failures
+
+    raise typer.Exit(0 if _run(run) else 1)
 
 
 @app.command()

@@ -6,7 +6,7 @@ Stage logic never imports this module; services wrap stages with it, the embedde
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -21,11 +21,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
 
-from ragstream.messages import DocumentChanged, DocumentDeleted, Topic
+from ragstream.messages import DeadLetter, DocumentChanged, DocumentDeleted, Topic
 from ragstream.metrics import CONSUMER_LAG, MESSAGES_OUT
 from ragstream.settings import Settings
 
-__all__ = ["KafkaChangeSink", "consumer_options", "create_broker", "ensure_topics", "publish"]
+__all__ = ["KafkaChangeSink", "consumer_options", "create_broker", "dead_letters", "ensure_topics", "publish"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +126,30 @@ class KafkaChangeSink:
 
     async def deleted(self, message: DocumentDeleted) -> None:
         await publish(self._broker, "connector-fetcher", Topic.DOC_DELETED, message, message.document_id)
+
+
+async def dead_letters(bootstrap_servers: str) -> AsyncIterator[DeadLetter]:
+    """Every dead letter on the topic, from its first retained offset to its end at the time of the call.
+
+    Read without a consumer group, so replaying never moves anyone's offsets and can be repeated.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = [
+            TopicPartition(Topic.DEAD_LETTER.value, partition)
+            for partition in sorted(await consumer.partitions_for_topic(Topic.DEAD_LETTER.value) or ())
+        ]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        remaining = {partition for partition in partitions if ends[partition] > await consumer.position(partition)}
+        while remaining:
+            for partition, records in (await consumer.getmany(*remaining, timeout_ms=1000)).items():
+                for record in records:
+                    if record.offset < ends[partition] and record.value is not None:
+                        yield DeadLetter.model_validate_json(record.value)
+                if await consumer.position(partition) >= ends[partition]:
+                    remaining.discard(partition)
+    finally:
+        await consumer.stop()

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ragstream.connectors.base import Connector
 from ragstream.failures import classify, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, IndexOutcome
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
-from ragstream.stages.fetch import FetchService, SyncCounts
+from ragstream.stages.fetch import ChangeSink, FetchService, SyncCounts
 from ragstream.stages.index import IndexService
+from ragstream.stages.replay import ReplayCounts, ReplayService
 from ragstream.storage.documents import DocumentStore, Failure
 
 __all__ = ["EmbeddedPipeline", "SyncProgress", "SyncReport"]
+
+_Counts = TypeVar("_Counts", SyncCounts, ReplayCounts)
 
 
 @dataclass(slots=True)
@@ -99,7 +103,6 @@ class EmbeddedPipeline:
     async def sync(self, connector: Connector, on_progress: Callable[[SyncProgress], None] | None = None) -> SyncReport:
         progress = SyncProgress()
         notify = on_progress or (lambda _: None)
-        queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None] = asyncio.Queue(maxsize=self._workers * 4)
 
         async def listed(counts: SyncCounts) -> None:
             progress.listed, progress.unchanged, progress.changed = counts.seen, counts.unchanged, counts.changed
@@ -107,17 +110,39 @@ class EmbeddedPipeline:
             notify(progress)
 
         fetch = FetchService(self._store, connector, max_document_bytes=self._max_bytes, on_item=listed)
+        await self._drive(fetch.run, progress, notify)
+        return SyncReport(connector.connection_id, progress, await self._store.failures(connector.connection_id))
+
+    async def replay(
+        self, connection_id: str | None = None, on_progress: Callable[[SyncProgress], None] | None = None
+    ) -> tuple[ReplayCounts, SyncProgress]:
+        """Re-drive the failed documents (of one connection, or all) through chunk, embed and index."""
+        progress = SyncProgress()
+        replay = ReplayService(self._store)
+        counts = await self._drive(
+            lambda sink: replay.failures(sink, connection_id), progress, on_progress or (lambda _: None)
+        )
+        return counts, progress
+
+    async def _drive(
+        self,
+        announce: Callable[[ChangeSink], Awaitable[_Counts]],
+        progress: SyncProgress,
+        notify: Callable[[SyncProgress], None],
+    ) -> _Counts:
+        """Run ``announce`` into a bounded queue that the workers drain, until both are done."""
+        queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None] = asyncio.Queue(maxsize=self._workers * 4)
         # A task group: if a worker dies (PostgreSQL gone), the listing stops too instead of
         # waiting forever on a full queue, and the error reaches the caller.
         async with asyncio.TaskGroup() as group:
             for _ in range(self._workers):
                 group.create_task(self._work(queue, progress, notify))
-            await fetch.run(_QueueSink(queue))
+            counts = await announce(_QueueSink(queue))
             progress.listing_done = True
             for _ in range(self._workers):
                 await queue.put(None)
         notify(progress)
-        return SyncReport(connector.connection_id, progress, await self._store.failures(connector.connection_id))
+        return counts
 
     async def _work(
         self,

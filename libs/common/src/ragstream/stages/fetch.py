@@ -81,6 +81,10 @@ class FetchService:
             if external_id not in listed:
                 await self._announce_deleted(gone, sink)
                 counts.deleted += 1
+        # A document that never indexed and is gone at the source has nothing to delete but its failure.
+        await self._store.forget_failures_except(
+            connector.connection_id, [document_id(connector.connection_id, external_id) for external_id in listed]
+        )
         return counts
 
     async def _process(

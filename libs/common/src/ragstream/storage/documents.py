@@ -286,10 +286,11 @@ class DocumentStore:
         """Record why a version did not index; the retry count grows while the same version keeps failing."""
         row = await self._pool.fetchrow(
             "INSERT INTO document_failures"
-            " (document_id, connection_id, source, version, step, code, message, retryable)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+            " (document_id, connection_id, source, version, step, code, message, retryable, header)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)"
             " ON CONFLICT (document_id) DO UPDATE SET source = EXCLUDED.source, step = EXCLUDED.step,"
             " code = EXCLUDED.code, message = EXCLUDED.message, retryable = EXCLUDED.retryable, failed_at = now(),"
+            " header = EXCLUDED.header,"
             " retry_count = CASE WHEN document_failures.version = EXCLUDED.version"
             "   THEN document_failures.retry_count + 1 ELSE 0 END, version = EXCLUDED.version"
             " RETURNING retry_count",
@@ -301,16 +302,27 @@ class DocumentStore:
             code,
             message[:2000],
             retryable,
+            header.model_dump_json(),
         )
         assert row is not None
         return Failure(
             header.document_id, header.source, header.version, step, code, message, retryable, row["retry_count"]
         )
 
-    async def failures(self, connection_id: str) -> list[Failure]:
+    async def forget_failures_except(self, connection_id: str, listed: Sequence[str]) -> None:
+        """Drop the failures of the connection's documents that are no longer listed at the source."""
+        await self._pool.execute(
+            "DELETE FROM document_failures WHERE connection_id = $1 AND NOT (document_id = ANY($2::text[]))",
+            connection_id,
+            list(listed),
+        )
+
+    async def failures(self, connection_id: str | None) -> list[Failure]:
+        """The documents whose latest version did not index, of one connection (or all: None)."""
         rows = await self._pool.fetch(
             "SELECT f.* FROM document_failures f LEFT JOIN documents d ON d.id = f.document_id"
-            " WHERE f.connection_id = $1 AND (d.version IS NULL OR d.version < f.version) ORDER BY f.source",
+            " WHERE ($1::text IS NULL OR f.connection_id = $1) AND (d.version IS NULL OR d.version < f.version)"
+            " ORDER BY f.source",
             connection_id,
         )
         return [
@@ -326,3 +338,34 @@ class DocumentStore:
             )
             for r in rows
         ]
+
+    async def replayable(self, connection_id: str | None) -> tuple[list[DocumentHeader], int]:
+        """Headers of the failed versions a replay can re-drive, and how many failures need a re-sync.
+
+        A failure is replayable when it is not superseded by a commit and its version's content is
+        staged: it failed after the fetch (chunk, embed or index). A fetch failure has no content to
+        replay; the next sync fetches it again.
+        """
+        rows = await self._pool.fetch(
+            "SELECT f.header::text AS header, s.version IS NOT NULL AS staged"
+            " FROM document_failures f"
+            " LEFT JOIN documents d ON d.id = f.document_id"
+            " LEFT JOIN staged_documents s ON s.version = f.version"
+            " WHERE ($1::text IS NULL OR f.connection_id = $1) AND (d.version IS NULL OR d.version < f.version)"
+            " ORDER BY f.version",
+            connection_id,
+        )
+        headers = [DocumentHeader.model_validate_json(row["header"]) for row in rows if row["staged"] and row["header"]]
+        return headers, len(rows) - len(headers)
+
+    async def is_replayable(self, header: DocumentHeader) -> bool:
+        """True while this version is still the document's failing one and its content is staged."""
+        return bool(
+            await self._pool.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM document_failures f JOIN staged_documents s ON s.version = f.version"
+                " LEFT JOIN documents d ON d.id = f.document_id"
+                " WHERE f.document_id = $1 AND f.version = $2 AND (d.version IS NULL OR d.version < f.version))",
+                header.document_id,
+                header.version,
+            )
+        )
