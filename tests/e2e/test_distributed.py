@@ -2,12 +2,15 @@
 
 Ingest a folder, find a chunk; edit a file, the new text is found and the old is gone; delete a
 file, it is gone. Then crash consumers between their durable output and their offset commit and
-show that nothing is lost and no chunk is duplicated.
+show that nothing is lost and no chunk is duplicated; and replay dead letters once their cause is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ import httpx
 import pytest
 
 from ragstream.connectors.folder import FolderConnector
+from tests.support.fake_dashscope import run_fake_dashscope
 from tests.support.services import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
@@ -184,3 +188,77 @@ async def test_crash_between_output_and_offset_commit_loses_nothing(
     assert sources == {f"doc{number:02}.md" for number in range(count)}
     assert len(chunks) == len(set(chunks)) == expected
     assert all(found(services["retriever"], folder, f"crashterm{n}") == [f"doc{n:02}.md"] for n in (0, count - 1))
+
+
+async def failed_and_indexed(database_url: str, folder: Path) -> tuple[set[str], set[str]]:
+    """Sources with a failure row, and sources indexed, of the folder's connection."""
+    connection = await asyncpg.connect(database_url)
+    try:
+        connection_id = FolderConnector(folder).connection_id
+        failed = await connection.fetch("SELECT source FROM document_failures WHERE connection_id = $1", connection_id)
+        indexed = await connection.fetch(
+            "SELECT source FROM documents WHERE connection_id = $1 AND status = 'indexed'", connection_id
+        )
+        return {r["source"] for r in failed}, {r["source"] for r in indexed}
+    finally:
+        await connection.close()
+
+
+async def test_dead_letters_replayed_once_the_embedder_is_back(
+    services: dict[str, ServiceProcess],
+    service_env: dict[str, str],
+    database_url: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "dead"
+    folder.mkdir()
+    sources = {f"letter{n}.md" for n in range(5)}
+    for n in range(5):
+        (folder / f"letter{n}.md").write_text(f"# Letter {n}\n\nThe deadletterterm{n} page.\n")
+
+    # The embedder talks to a DashScope that rejects every request: each document is dead-lettered.
+    services["embedder"].stop()
+    with run_fake_dashscope() as fake:
+        fake.fail_next(10_000, status=400, code="InvalidParameter", message="Input is invalid.")
+        rejecting = ServiceProcess(
+            "embedder",
+            {
+                **service_env,
+                "RAGSTREAM_EMBEDDER_PROVIDER": "dashscope",
+                "RAGSTREAM_EMBEDDER_BASE_URL": fake.base_url,
+                "RAGSTREAM_EMBEDDER_API_KEY": fake.api_key,
+            },
+            tmp_path,
+        ).start(timeout=120)
+        try:
+            trigger_sync(services["connector-fetcher"], folder)
+            deadline = time.monotonic() + 120
+            while (await failed_and_indexed(database_url, folder))[0] != sources:
+                assert time.monotonic() < deadline, "documents were not dead-lettered"
+                await asyncio.sleep(0.5)
+        finally:
+            rejecting.stop()
+    services["embedder"] = ServiceProcess("embedder", service_env, tmp_path).start(timeout=120)
+    assert (await failed_and_indexed(database_url, folder))[1] == set()
+
+    env = {**os.environ, "DATABASE_URL": database_url}
+    command = [sys.executable, "-m", "ragstream.cli", "replay", "--kafka", kafka_bootstrap, "--dead-letter"]
+
+    def replay() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+    replayed = await asyncio.to_thread(replay)
+    assert replayed.returncode == 0, replayed.stderr
+    assert "replayed 5 (published)" in replayed.stderr
+
+    deadline = time.monotonic() + 120
+    while (state := await failed_and_indexed(database_url, folder)) != (set(), sources):
+        assert time.monotonic() < deadline, f"replay did not index everything: {state}"
+        await asyncio.sleep(0.5)
+    _, chunks, expected = await committed_state(database_url, folder)
+    assert len(chunks) == len(set(chunks)) == expected == 5
+    assert found(services["retriever"], folder, "deadletterterm3") == ["letter3.md"]
+    # The letters are still on the topic, but their documents are indexed now: nothing to re-drive.
+    again = await asyncio.to_thread(replay)
+    assert again.returncode == 0 and "replayed 0" in again.stderr, again.stderr

@@ -133,13 +133,23 @@ async def dead_letters(bootstrap_servers: str) -> AsyncIterator[DeadLetter]:
 
     Read without a consumer group, so replaying never moves anyone's offsets and can be repeated.
     """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([Topic.DEAD_LETTER.value])
+    finally:
+        await admin.close()
+    partitions = [
+        TopicPartition(Topic.DEAD_LETTER.value, entry["partition"])
+        for topic in described
+        if topic["error_code"] == 0
+        for entry in topic["partitions"]
+    ]
+    if not partitions:
+        return
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False)
     await consumer.start()
     try:
-        partitions = [
-            TopicPartition(Topic.DEAD_LETTER.value, partition)
-            for partition in sorted(await consumer.partitions_for_topic(Topic.DEAD_LETTER.value) or ())
-        ]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(partitions)
