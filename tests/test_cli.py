@@ -94,6 +94,9 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
             time.sleep(0.5)
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
         assert sources and sources[0] == "zh/chailv-biaozhun.md"
+        replayed = httpx.post(f"{base}/v1/replays", json={}, timeout=30)
+        assert replayed.status_code == 200 and replayed.json()["replayed"] == 0, replayed.text
+        assert httpx.post(f"{base}/v1/replays", json={"source": "dead-letter"}, timeout=30).status_code == 422
         assert (data_dir / "postgres" / "PG_VERSION").exists()
     finally:
         process.terminate()

@@ -260,5 +260,10 @@ async def test_dead_letters_replayed_once_the_embedder_is_back(
     assert len(chunks) == len(set(chunks)) == expected == 5
     assert found(services["retriever"], folder, "deadletterterm3") == ["letter3.md"]
     # The letters are still on the topic, but their documents are indexed now: nothing to re-drive.
-    again = await asyncio.to_thread(replay)
-    assert again.returncode == 0 and "replayed 0" in again.stderr, again.stderr
+    async with httpx.AsyncClient(timeout=60) as client:
+        again = await client.post(
+            f"{services['connector-fetcher'].url}/v1/replays",
+            json={"source": "dead-letter", "connection_id": FolderConnector(folder).connection_id},
+        )
+    assert again.status_code == 200, again.text
+    assert (again.json()["replayed"], again.json()["resolved"]) == (0, 5)

@@ -8,8 +8,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import uvicorn
+from fastapi import HTTPException
 
 from ragstream.api.http import create_app
+from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
@@ -40,12 +42,25 @@ async def serve(
                 return
             await asyncio.sleep(sync_interval)
 
+    async def replay(request: ReplayRequest) -> ReplayResult:
+        if request.source == "dead-letter":
+            raise HTTPException(status_code=422, detail="embedded mode has no dead-letter topic: replay failures")
+        counts, replayed = await runtime.pipeline().replay(request.connection_id)
+        return ReplayResult(
+            replayed=counts.replayed,
+            needs_sync=counts.needs_sync,
+            resolved=counts.resolved,
+            indexed=replayed.indexed,
+            failed_again=replayed.failed,
+        )
+
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     app = create_app(
         lambda: runtime.retriever,
         ready=ready,
         sync_progress=lambda: progress,
         reader=lambda: reader,
+        routers=[replay_router(replay)],
         title="ragstream",
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))

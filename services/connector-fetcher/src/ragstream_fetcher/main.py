@@ -3,6 +3,8 @@
 The fetcher is the only stage with no input topic: a sync starts from ``POST /v1/syncs`` or from
 the periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, and ends once every difference between
 the source listing and the committed state has been published (and acknowledged by Kafka).
+``POST /v1/replays`` publishes failed documents (from the failures table or the dead-letter topic)
+to ``doc.changed`` again.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from prometheus_client import make_asgi_app
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.folder import FolderConnector
-from ragstream.kafka import KafkaChangeSink, create_broker, ensure_topics
+from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.stages.fetch import FetchService, SyncCounts
+from ragstream.stages.replay import ReplayService
 
 __all__ = ["FetcherSettings", "create_app"]
 
@@ -110,8 +114,18 @@ def create_app() -> FastAPI:
                 state.clear()
         await broker.stop()
 
+    async def replay(request: ReplayRequest) -> ReplayResult:
+        service, sink = ReplayService(state["runtime"].store), KafkaChangeSink(broker)
+        if request.source == "dead-letter":
+            letters = dead_letters(settings.kafka_bootstrap_servers)
+            counts = await service.dead_letters(letters, sink, request.connection_id)
+        else:
+            counts = await service.failures(sink, request.connection_id)
+        return ReplayResult(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
+
     app = FastAPI(title="ragstream connector-fetcher", version="1", lifespan=lifespan)
     app.mount("/metrics", make_asgi_app())
+    app.include_router(replay_router(replay))
 
     @app.post("/v1/syncs", status_code=202, response_model=SyncStatus)
     async def create_sync(request: SyncRequest) -> SyncStatus:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragstream.metrics import SEARCH_LATENCY
@@ -24,11 +24,14 @@ def create_app(
     ready: Callable[[], Awaitable[bool]],
     sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,
     reader: Callable[[], DocumentReader | None] | None = None,
+    routers: Sequence[APIRouter] = (),
     title: str = "ragstream retriever",
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
     app starts before the store is open; until then search and reads answer 503 and readiness is false."""
     app = FastAPI(title=title, version="1")
+    for router in routers:
+        app.include_router(router)
 
     @app.post("/v1/search", response_model=SearchResponse)
     async def search(request: SearchRequest) -> SearchResponse:
