@@ -9,11 +9,14 @@ from pathlib import Path
 
 import uvicorn
 
+from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
+from ragstream.credentials import CredentialCipher
 from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
+from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["serve"]
@@ -46,6 +49,7 @@ async def serve(
         ready=ready,
         sync_progress=lambda: progress,
         reader=lambda: reader,
+        connections=connections_router(ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))),
         title="ragstream",
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))

@@ -1,4 +1,4 @@
-"""FastAPI app: hybrid search, document reads, health and readiness, Prometheus metrics, sync progress."""
+"""FastAPI app: hybrid search, document reads, connections, health and readiness, Prometheus metrics, sync progress."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragstream.metrics import SEARCH_LATENCY
@@ -24,11 +27,23 @@ def create_app(
     ready: Callable[[], Awaitable[bool]],
     sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,
     reader: Callable[[], DocumentReader | None] | None = None,
+    connections: APIRouter | None = None,
     title: str = "ragstream retriever",
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
-    app starts before the store is open; until then search and reads answer 503 and readiness is false."""
+    app starts before the store is open; until then search and reads answer 503 and readiness is false.
+    ``connections`` is the ``/v1/connections`` router (``ragstream.api.connections``)."""
     app = FastAPI(title=title, version="1")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 echoes the offending input, which can be a credential or the whole body
+        # around one: answer with where and why only.
+        problems = [{key: value for key, value in problem.items() if key != "input"} for problem in error.errors()]
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(problems)})
+
+    if connections is not None:
+        app.include_router(connections)
 
     @app.post("/v1/search", response_model=SearchResponse)
     async def search(request: SearchRequest) -> SearchResponse:
