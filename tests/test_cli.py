@@ -94,6 +94,7 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
             time.sleep(0.5)
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
         assert sources and sources[0] == "zh/chailv-biaozhun.md"
+        assert httpx.get(f"{base}/v1/connections", timeout=5).status_code == 200
         assert (data_dir / "postgres" / "PG_VERSION").exists()
     finally:
         process.terminate()

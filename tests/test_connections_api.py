@@ -142,6 +142,19 @@ async def test_a_file_is_not_a_folder(client: httpx.AsyncClient, corpus: Path) -
     assert response.status_code == 422 and "not an existing directory" in response.text
 
 
+async def test_credentials_without_a_key_are_refused_clearly(runtime: Runtime) -> None:
+    app = create_app(
+        lambda: runtime.retriever,
+        ready=ready,
+        connections=connections_router(ConnectionStore(runtime.pool, CredentialCipher([]))),
+    )
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        body = {"platform": "yuque", "name": "docs", "credentials": {"token": "t"}}
+        refused = await client.post("/v1/connections", json=body)
+        assert refused.status_code == 422 and "RAGSTREAM_CREDENTIAL_KEYS" in refused.json()["detail"]
+        assert (await client.post("/v1/connections", json={**body, "credentials": None})).status_code == 201
+
+
 async def test_unknown_ids_are_404(client: httpx.AsyncClient) -> None:
     assert (await client.get("/v1/connections/conn-nope")).status_code == 404
     assert (await client.patch("/v1/connections/conn-nope", json={"name": "x"})).status_code == 404
