@@ -79,7 +79,8 @@ def test_keys_come_comma_separated_from_the_environment(monkeypatch: pytest.Monk
     from_env = CredentialCipher.from_settings(settings)
     assert plain(cipher(new).decrypt(from_env.rotate(token))) == plain(SECRET)
     monkeypatch.delenv("RAGSTREAM_CREDENTIAL_KEYS")
-    assert not CredentialCipher.from_settings(Settings()).configured
+    with pytest.raises(CredentialKeyMissing):
+        CredentialCipher.from_settings(Settings()).decrypt(token)
 
 
 @pytest.mark.integration

@@ -59,10 +59,6 @@ class CredentialCipher:
         raw = settings.credential_keys.get_secret_value() if settings.credential_keys else ""
         return cls([SecretStr(key.strip()) for key in raw.split(",") if key.strip()])
 
-    @property
-    def configured(self) -> bool:
-        return self._fernet is not None
-
     def _require(self) -> MultiFernet:
         if self._fernet is None:
             raise CredentialKeyMissing()

@@ -147,7 +147,8 @@ class ConnectionView(BaseModel):
     model_config = ConfigDict(title="Connection")
 
     id: Annotated[str, Field(title="Connection id")]
-    platform: Annotated[Platform, Field(title="Platform")]
+    # str, not Platform: connections made by folder syncs and services are listed too, whatever they name.
+    platform: Annotated[str, Field(title="Platform", description="folder, feishu, lark, yuque, ima, dingtalk, web")]
     name: Annotated[str, Field(title="Display name")]
     config: Annotated[dict[str, Any], Field(title="Platform settings")]
     status: Annotated[ConnectionStatus, Field(title="Status")]
