@@ -97,6 +97,7 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
         replayed = httpx.post(f"{base}/v1/replays", json={}, timeout=30)
         assert replayed.status_code == 200 and replayed.json()["replayed"] == 0, replayed.text
         assert httpx.post(f"{base}/v1/replays", json={"source": "dead-letter"}, timeout=30).status_code == 422
+        assert httpx.get(f"{base}/v1/connections", timeout=5).status_code == 200
         assert (data_dir / "postgres" / "PG_VERSION").exists()
     finally:
         process.terminate()

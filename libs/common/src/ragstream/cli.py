@@ -1,4 +1,4 @@
-"""The ``ragstream`` command: embedded mode (up), folder sync (ingest) and search."""
+"""The ``ragstream`` command: embedded mode (up), folder sync (ingest), search and credential rotation."""
 
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ from rich.table import Table
 
 from ragstream.chunking import parse_chunking
 from ragstream.connectors.folder import FolderConnector
+from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_runtime, resolve_database
 from ragstream.settings import Settings
 from ragstream.stages.replay import ReplayService
+from ragstream.storage.connections import ConnectionStore
 
 __all__ = ["app"]
 
 app = typer.Typer(help="ragstream: sync knowledge into PostgreSQL + pgvector and search it.", no_args_is_help=True)
 console = Console(stderr=True)
+credentials = typer.Typer(help="Encrypted connection credentials.", no_args_is_help=True)
+app.add_typer(credentials, name="credentials")
 
 
 def _run(main: Callable[[Runtime], object]) -> object:
@@ -245,6 +249,24 @@ def up(
             runtime, [path.resolve() for path in source or []], host, port, sync_interval, _sync_folder
         )
     )
+
+
+@credentials.command()
+def rotate() -> None:
+    """Re-encrypt every connection's credentials with the first key of RAGSTREAM_CREDENTIAL_KEYS.
+
+    Put the new key first and keep the old ones, run this, then remove the old keys."""
+
+    async def run(runtime: Runtime) -> int:
+        store = ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))
+        return await store.rotate_credentials()
+
+    try:
+        count = _run(run)
+    except (CredentialKeyMissing, CredentialsUnreadable) as error:
+        console.print(f"[red]{error}[/]", highlight=False)
+        raise typer.Exit(1) from None
+    typer.echo(f"{count} connection(s) re-encrypted with the primary key")
 
 
 if __name__ == "__main__":

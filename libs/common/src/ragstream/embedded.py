@@ -10,12 +10,15 @@ from pathlib import Path
 import uvicorn
 from fastapi import HTTPException
 
+from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.credentials import CredentialCipher
 from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
+from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["serve"]
@@ -60,7 +63,10 @@ async def serve(
         ready=ready,
         sync_progress=lambda: progress,
         reader=lambda: reader,
-        routers=[replay_router(replay)],
+        routers=[
+            connections_router(ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))),
+            replay_router(replay),
+        ],
         title="ragstream",
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "CONNECTION_CHANGES",
     "CONSUMER_LAG",
     "DOCUMENTS_FAILED",
     "MESSAGES_IN",
@@ -27,4 +28,7 @@ CONSUMER_LAG = Gauge(
 )
 SEARCH_LATENCY = Histogram(
     "ragstream_search_seconds", "Hybrid search latency", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+)
+CONNECTION_CHANGES = Counter(
+    "ragstream_connection_changes_total", "Connections created, updated and deleted over the API", ["operation"]
 )

@@ -106,6 +106,15 @@ class Settings(BaseSettings):
             "Unset: RAGSTREAM_EMBEDDER_BASE_URL when the embedder provider is dashscope, else the Beijing host.",
         ),
     ] = None
+    credential_keys: Annotated[
+        SecretStr | None,
+        Field(
+            title="Fernet keys of connection credentials",
+            description="Comma-separated; the first encrypts, every one decrypts, so a new key goes first and the "
+            "old one stays until `ragstream credentials rotate` has re-encrypted every connection. Unset: "
+            "connections cannot be given credentials.",
+        ),
+    ] = None
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
 

@@ -1,4 +1,4 @@
-"""FastAPI app: hybrid search, document reads, health and readiness, Prometheus metrics, sync progress."""
+"""FastAPI app: hybrid search, document reads, connections, health and readiness, Prometheus metrics, sync progress."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragstream.metrics import SEARCH_LATENCY
@@ -28,10 +31,18 @@ def create_app(
     title: str = "ragstream retriever",
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
-    app starts before the store is open; until then search and reads answer 503 and readiness is false."""
+    app starts before the store is open; until then search and reads answer 503 and readiness is false.
+    ``routers`` add the control plane where the process has one (connections, replays)."""
     app = FastAPI(title=title, version="1")
     for router in routers:
         app.include_router(router)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 echoes the offending input, which can be a credential or the whole body
+        # around one: answer with where and why only.
+        problems = [{key: value for key, value in problem.items() if key != "input"} for problem in error.errors()]
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(problems)})
 
     @app.post("/v1/search", response_model=SearchResponse)
     async def search(request: SearchRequest) -> SearchResponse:

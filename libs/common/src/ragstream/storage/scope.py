@@ -25,7 +25,8 @@ class Scope:
     @classmethod
     def build(cls, filters: SearchFilters, principal: Principal | None, *, first_param: int) -> Scope:
         """``first_param`` is the number of the first ``$n`` placeholder this clause may use."""
-        clauses = ["d.status = 'indexed'", "k.status = 'active'"]
+        # rag_enabled: a document of a switched-off connection still in flight never shows.
+        clauses = ["d.status = 'indexed'", "k.status = 'active'", "k.rag_enabled"]
         params: list[Any] = []
 
         def param(value: Any) -> str:

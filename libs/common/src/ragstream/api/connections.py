@@ -1,0 +1,277 @@
+"""``/v1/connections``: create, list, read, change and delete connections; credentials go in, never out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Response
+from opentelemetry import trace
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
+
+from ragstream.chunking import ChunkingConfig
+from ragstream.credentials import CredentialKeyMissing
+from ragstream.metrics import CONNECTION_CHANGES
+from ragstream.storage.connections import Connection, ConnectionStore
+
+__all__ = [
+    "ConnectionConfig",
+    "ConnectionCreate",
+    "ConnectionHook",
+    "ConnectionPatch",
+    "ConnectionView",
+    "EmbeddingChoice",
+    "connections_router",
+]
+
+logger = logging.getLogger(__name__)
+
+Platform = Literal["folder", "feishu", "lark", "yuque", "ima", "dingtalk", "web"]
+ConnectionStatus = Literal["active", "disabled", "archived"]
+CredentialName = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+Credentials = dict[CredentialName, SecretStr]
+
+ConnectionHook = Callable[[str], Awaitable[None]]
+"""Called with a connection id after the change is committed, e.g. to start a sync."""
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No connection with this id"}}
+
+
+class EmbeddingChoice(BaseModel):
+    """The embedding model of this connection's index, when it is not the server's default."""
+
+    model_config = ConfigDict(extra="forbid", title="Embedding choice")
+
+    provider: Annotated[Literal["local", "dashscope", "openai"], Field(title="Embedding provider")]
+    model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
+    dimension: Annotated[int | None, Field(title="Vector dimension", gt=0)] = None
+
+
+class ConnectionConfig(BaseModel):
+    """Platform settings. Keys besides these (space or knowledge-base ids, base URLs) are kept as given;
+    secrets belong in ``credentials``, which are encrypted, not here, where they would be shown."""
+
+    model_config = ConfigDict(extra="allow", title="Connection config")
+
+    path: Annotated[
+        str | None, Field(title="Folder path", description="folder: an existing directory on the server.")
+    ] = None
+    chunking: Annotated[
+        ChunkingConfig | None,
+        Field(title="Chunking", description="Applies to documents chunked from now on; unset: the server's."),
+    ] = None
+    embedding: Annotated[EmbeddingChoice | None, Field(title="Embedding model")] = None
+
+    @model_validator(mode="after")
+    def _path_is_a_folder(self) -> ConnectionConfig:
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"path {self.path!r} is not an existing directory")
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        """The keys that were given, as JSON for the ``config`` column."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class ConnectionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", title="New connection")
+
+    platform: Annotated[Platform, Field(title="Platform")]
+    name: Annotated[str, Field(title="Display name", min_length=1, max_length=200)]
+    config: Annotated[ConnectionConfig, Field(title="Platform settings")] = ConnectionConfig()
+    credentials: Annotated[
+        Credentials | None,
+        Field(
+            title="Credentials",
+            description="Field name to secret (app_id, app_secret, token, ...). Stored encrypted; responses "
+            "show the field names only.",
+        ),
+    ] = None
+    rag_enabled: Annotated[
+        bool, Field(title="RAG indexing", description="On: a local index, built by a full sync after creation.")
+    ] = True
+    schedule_seconds: Annotated[
+        int, Field(title="Seconds between scheduled syncs", description="0: only on request.", ge=0)
+    ] = 86_400
+    skip_acl: Annotated[
+        bool,
+        Field(title="Skip per-user permission checks", description="Fixed at creation: it cannot be changed later."),
+    ] = False
+
+    @model_validator(mode="after")
+    def _folder_has_a_path(self) -> ConnectionCreate:
+        if self.platform == "folder" and self.config.path is None:
+            raise ValueError("a folder connection needs config.path, an existing directory on the server")
+        return self
+
+
+class ConnectionPatch(BaseModel):
+    """Fields to change; omitted or null fields keep their value."""
+
+    model_config = ConfigDict(extra="forbid", title="Connection change")
+
+    name: Annotated[str | None, Field(title="Display name", min_length=1, max_length=200)] = None
+    config: Annotated[
+        ConnectionConfig | None, Field(title="Platform settings", description="Replaces the top-level keys given.")
+    ] = None
+    credentials: Annotated[
+        Credentials | None, Field(title="Credentials", description="Replaces all of them; {} removes them.")
+    ] = None
+    rag_enabled: Annotated[
+        bool | None,
+        Field(
+            title="RAG indexing",
+            description="Off removes the indexed documents and keeps the connection; on again runs a full sync.",
+        ),
+    ] = None
+    schedule_seconds: Annotated[int | None, Field(title="Seconds between scheduled syncs", ge=0)] = None
+    status: Annotated[
+        ConnectionStatus | None, Field(title="Status", description="Disabled and archived ones are not searched.")
+    ] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _skip_acl_is_fixed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "skip_acl" in data:
+            raise ValueError("skip_acl is fixed when a connection is created; create a new connection to change it")
+        return data
+
+
+class ConnectionView(BaseModel):
+    """A connection as the API shows it: credential field names, never their values."""
+
+    model_config = ConfigDict(title="Connection")
+
+    id: Annotated[str, Field(title="Connection id")]
+    # str, not Platform: connections made by folder syncs and services are listed too, whatever they name.
+    platform: Annotated[str, Field(title="Platform", description="folder, feishu, lark, yuque, ima, dingtalk, web")]
+    name: Annotated[str, Field(title="Display name")]
+    config: Annotated[dict[str, Any], Field(title="Platform settings")]
+    status: Annotated[ConnectionStatus, Field(title="Status")]
+    skip_acl: Annotated[bool, Field(title="Skip per-user permission checks")]
+    rag_enabled: Annotated[bool, Field(title="RAG indexing")]
+    schedule_seconds: Annotated[int, Field(title="Seconds between scheduled syncs")]
+    has_credentials: Annotated[bool, Field(title="Credentials are stored")]
+    credential_fields: Annotated[
+        list[str], Field(title="Names of the stored credential fields", description="Empty if unreadable.")
+    ]
+    sync_error: Annotated[str | None, Field(title="Reason of the latest failed sync")]
+    created_at: Annotated[datetime, Field(title="Created")]
+    updated_at: Annotated[datetime, Field(title="Last changed")]
+
+    @classmethod
+    def of(cls, connection: Connection) -> ConnectionView:
+        return cls.model_validate(asdict(connection))
+
+
+def connections_router(
+    store: ConnectionStore,
+    *,
+    on_created: ConnectionHook | None = None,
+    on_rag_enabled: ConnectionHook | None = None,
+    tracer: trace.Tracer | None = None,
+) -> APIRouter:
+    """The routes. ``on_created`` runs after a connection with RAG on is created, ``on_rag_enabled`` after
+    an update turns RAG on again: both are where the caller starts the full sync. A failing hook is
+    logged and does not undo the change, which is committed and reported as done."""
+    router = APIRouter(prefix="/v1/connections", tags=["connections"])
+    spans = tracer or trace.get_tracer(__name__)
+
+    async def run_hook(hook: ConnectionHook | None, connection_id: str) -> None:
+        if hook is None:
+            return
+        try:
+            await hook(connection_id)
+        except Exception:
+            logger.exception("connection %s: starting its sync failed", connection_id)
+
+    def not_found(connection_id: str) -> HTTPException:
+        return HTTPException(status_code=404, detail=f"connection {connection_id!r} not found")
+
+    @router.post("", status_code=201, response_model=ConnectionView)
+    async def create_connection(body: ConnectionCreate) -> ConnectionView:
+        """Create a connection; with RAG on, a full sync starts."""
+        with spans.start_as_current_span("connections.create") as span:
+            span.set_attribute("connection.platform", body.platform)
+            try:
+                connection = await store.create(
+                    body.platform,
+                    body.name,
+                    config=body.config.stored(),
+                    credentials=body.credentials,
+                    rag_enabled=body.rag_enabled,
+                    schedule_seconds=body.schedule_seconds,
+                    skip_acl=body.skip_acl,
+                )
+            except CredentialKeyMissing as error:
+                raise HTTPException(status_code=422, detail=str(error)) from None
+            span.set_attribute("connection.id", connection.id)
+        CONNECTION_CHANGES.labels("create").inc()
+        logger.info(
+            "connection %s created (%s, credential fields %s)",
+            connection.id,
+            connection.platform,
+            list(connection.credential_fields),
+        )
+        if connection.rag_enabled:
+            await run_hook(on_created, connection.id)
+        return ConnectionView.of(connection)
+
+    @router.get("", response_model=list[ConnectionView])
+    async def list_connections() -> list[ConnectionView]:
+        """Every connection, oldest first."""
+        with spans.start_as_current_span("connections.list"):
+            return [ConnectionView.of(connection) for connection in await store.all()]
+
+    @router.get("/{connection_id}", response_model=ConnectionView, responses=_NOT_FOUND)
+    async def get_connection(connection_id: str) -> ConnectionView:
+        with spans.start_as_current_span("connections.get") as span:
+            span.set_attribute("connection.id", connection_id)
+            connection = await store.get(connection_id)
+        if connection is None:
+            raise not_found(connection_id)
+        return ConnectionView.of(connection)
+
+    @router.patch("/{connection_id}", response_model=ConnectionView, responses=_NOT_FOUND)
+    async def update_connection(connection_id: str, body: ConnectionPatch) -> ConnectionView:
+        """Change a connection. RAG off removes its indexed documents at once; RAG on again starts a full sync."""
+        with spans.start_as_current_span("connections.update") as span:
+            span.set_attribute("connection.id", connection_id)
+            span.set_attribute("connection.fields", sorted(body.model_fields_set))
+            try:
+                switch = await store.update(
+                    connection_id,
+                    name=body.name,
+                    config=body.config.stored() if body.config is not None else None,
+                    credentials=body.credentials,
+                    rag_enabled=body.rag_enabled,
+                    schedule_seconds=body.schedule_seconds,
+                    status=body.status,
+                )
+            except CredentialKeyMissing as error:
+                raise HTTPException(status_code=422, detail=str(error)) from None
+        if switch is None:
+            raise not_found(connection_id)
+        CONNECTION_CHANGES.labels("update").inc()
+        logger.info("connection %s updated (%s)", connection_id, ", ".join(sorted(body.model_fields_set)))
+        if switch.rag_turned_on:
+            await run_hook(on_rag_enabled, connection_id)
+        return ConnectionView.of(switch.connection)
+
+    @router.delete("/{connection_id}", status_code=204, response_class=Response, responses=_NOT_FOUND)
+    async def delete_connection(connection_id: str) -> Response:
+        """Delete a connection and everything it indexed."""
+        with spans.start_as_current_span("connections.delete") as span:
+            span.set_attribute("connection.id", connection_id)
+            deleted = await store.delete(connection_id)
+        if not deleted:
+            raise not_found(connection_id)
+        CONNECTION_CHANGES.labels("delete").inc()
+        logger.info("connection %s deleted with everything it indexed", connection_id)
+        return Response(status_code=204)
+
+    return router
