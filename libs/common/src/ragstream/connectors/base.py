@@ -6,8 +6,8 @@ hash is unchanged are skipped, and committed documents missing from a complete l
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = ["Connector", "DocumentVanished", "SourceItem"]
@@ -19,12 +19,20 @@ class DocumentVanished(Exception):
 
 @dataclass(frozen=True, slots=True)
 class SourceItem:
+    """One document as listed. ``acl`` names the principals allowed to read it ('user:<id>',
+    'group:<id>'); None lets everyone who can see the connection read it. A listing carries the ACL
+    so that a permission-only change reaches the index without the content being read again."""
+
     external_id: str
     title: str
     source: str
     media_type: str
     source_version: str | None = None
     size: int | None = None
+    acl: tuple[str, ...] | None = None
+    knowledge_base: str = ""
+    url: str | None = None
+    metadata: Mapping[str, str | int | float | bool] = field(default_factory=dict)
 
 
 class Connector(Protocol):

@@ -40,6 +40,7 @@ class SyncCounts:
     changed: int = 0
     deleted: int = 0
     failed: int = 0
+    acl_updated: int = 0
     changed_ids: list[str] = field(default_factory=list)
 
 
@@ -91,6 +92,12 @@ class FetchService:
         self, item: SourceItem, known: CommittedDocument | None, sink: ChangeSink, counts: SyncCounts
     ) -> bool:
         """Handle one listed item; False when it vanished and must be treated as deleted."""
+        acl = sorted(set(item.acl)) if item.acl is not None else None
+        if known and acl != (sorted(known.acl) if known.acl is not None else None):
+            # Permissions changed: rewrite the chunks' ACL now, without re-reading or re-embedding.
+            # A revoked reader loses access at once, even while a new version is still on its way.
+            await self._store.update_acl(known.document_id, acl)
+            counts.acl_updated += 1
         if known and item.source_version is not None and item.source_version == known.source_version:
             counts.unchanged += 1
             return True
@@ -132,6 +139,10 @@ class FetchService:
             source=item.source,
             media_type=item.media_type,
             source_version=item.source_version,
+            knowledge_base=item.knowledge_base,
+            url=item.url,
+            acl=sorted(set(item.acl)) if item.acl is not None else None,
+            metadata=dict(item.metadata),
         )
 
     async def _fail(self, item: SourceItem, header_id: str, code: str, message: str) -> None:

@@ -34,6 +34,7 @@ class CommittedDocument:
     source: str
     content_hash: str
     source_version: str | None
+    acl: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +92,25 @@ class DocumentStore:
     async def committed(self, connection_id: str) -> dict[str, CommittedDocument]:
         """Indexed documents of a connection by external id: what a sync compares its listing with."""
         rows = await self._pool.fetch(
-            "SELECT id, external_id, source, content_hash, source_version FROM documents "
-            "WHERE connection_id = $1 AND status = 'indexed'",
+            "SELECT d.id, d.external_id, d.source, d.content_hash, d.source_version,"
+            " (SELECT c.acl FROM chunks c WHERE c.document_id = d.id ORDER BY c.ordinal LIMIT 1) AS acl"
+            " FROM documents d WHERE d.connection_id = $1 AND d.status = 'indexed'",
             connection_id,
         )
         return {
             row["external_id"]: CommittedDocument(
-                row["id"], row["external_id"], row["source"], row["content_hash"], row["source_version"]
+                row["id"], row["external_id"], row["source"], row["content_hash"], row["source_version"], row["acl"]
             )
             for row in rows
         }
+
+    async def update_acl(self, document_id: str, acl: Sequence[str] | None) -> None:
+        """Give every chunk of the committed document this ACL; vectors and text stay as they are."""
+        await self._pool.execute(
+            "UPDATE chunks SET acl = $2::text[] WHERE document_id = $1",
+            document_id,
+            list(acl) if acl is not None else None,
+        )
 
     async def remember_source_version(self, document_id: str, source_version: str | None) -> None:
         await self._pool.execute("UPDATE documents SET source_version = $2 WHERE id = $1", document_id, source_version)
