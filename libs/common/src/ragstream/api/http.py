@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragstream.metrics import SEARCH_LATENCY
@@ -24,11 +24,15 @@ def create_app(
     ready: Callable[[], Awaitable[bool]],
     sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,
     reader: Callable[[], DocumentReader | None] | None = None,
+    sync_routes: APIRouter | None = None,
     title: str = "ragstream retriever",
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
-    app starts before the store is open; until then search and reads answer 503 and readiness is false."""
+    app starts before the store is open; until then search and reads answer 503 and readiness is false.
+    ``sync_routes`` (``ragstream.api.syncs.sync_router``) adds the sync-run routes of connections."""
     app = FastAPI(title=title, version="1")
+    if sync_routes is not None:
+        app.include_router(sync_routes)
 
     @app.post("/v1/search", response_model=SearchResponse)
     async def search(request: SearchRequest) -> SearchResponse:

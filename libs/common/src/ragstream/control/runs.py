@@ -133,15 +133,21 @@ class SyncRunStore:
             schedule_seconds,
         )
 
-    async def start(self, connection_id: str, trigger: Trigger) -> SyncRun:
+    async def start(self, connection_id: str, trigger: Trigger, *, running: bool = False) -> SyncRun:
         """Queue a run. If one is active and silent past the stale timeout it is failed first;
-        otherwise ``SyncInProgress`` (with the active run)."""
+        otherwise ``SyncInProgress`` (with the active run).
+
+        ``running`` starts it at once as syncing, outside the concurrency limit: a foreground
+        ``ragstream ingest`` runs its own sync, and no runner may claim it in between."""
         for _ in range(2):
             try:
                 row = await self._pool.fetchrow(
-                    "INSERT INTO sync_runs (connection_id, trigger, status) VALUES ($1, $2, 'queued') RETURNING *",
+                    "INSERT INTO sync_runs (connection_id, trigger, status, started_at, heartbeat_at)"
+                    " VALUES ($1, $2, CASE WHEN $3::boolean THEN 'syncing' ELSE 'queued' END,"
+                    " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END) RETURNING *",
                     connection_id,
                     trigger,
+                    running,
                 )
                 assert row is not None
                 return SyncRun.from_row(row)
@@ -179,15 +185,6 @@ class SyncRunStore:
                 "UPDATE sync_runs SET status = 'syncing', started_at = now(), heartbeat_at = now()"
                 " WHERE id = (SELECT id FROM sync_runs WHERE status = 'queued' ORDER BY id LIMIT 1) RETURNING *"
             )
-        return SyncRun.from_row(row) if row is not None else None
-
-    async def begin(self, run_id: int) -> SyncRun | None:
-        """Start one queued run now, outside the concurrency limit: a foreground ``ragstream ingest``."""
-        row = await self._pool.fetchrow(
-            "UPDATE sync_runs SET status = 'syncing', started_at = now(), heartbeat_at = now()"
-            " WHERE id = $1 AND status = 'queued' RETURNING *",
-            run_id,
-        )
         return SyncRun.from_row(row) if row is not None else None
 
     async def progress(
