@@ -1,7 +1,8 @@
 """Scheduled incremental syncs: one leader across replicas enqueues the connections that are due.
 
-Leadership is a session-level ``pg_try_advisory_lock`` held on a connection kept out of the pool for
-as long as this process leads. If the process dies or its connection drops, PostgreSQL releases the
+Leadership is a session-level ``pg_try_advisory_lock`` held on a dedicated connection (not a pooled
+one: the pool would reset it, and a dropped pooled connection is hard to tell from a released one)
+for as long as this process leads. If the process dies or its connection drops, PostgreSQL releases the
 lock and a follower, which keeps trying, takes over. The leader only enqueues; runners claim the
 queued runs within the concurrency limit, so a slow sync never delays the schedule of others.
 """
@@ -30,13 +31,13 @@ _CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 class Scheduler:
     def __init__(
         self,
-        pool: asyncpg.Pool,
+        dsn: str,
         runs: SyncRunStore,
         *,
         interval_s: float = 30.0,
         on_enqueued: Callable[[], None] | None = None,
     ) -> None:
-        self._pool = pool
+        self._dsn = dsn
         self._runs = runs
         self._interval_s = interval_s
         self._on_enqueued = on_enqueued
@@ -76,16 +77,16 @@ class Scheduler:
         return enqueued
 
     async def _try_lead(self) -> None:
-        connection = await self._pool.acquire()
+        connection = await asyncpg.connect(self._dsn)
         try:
             if await connection.fetchval("SELECT pg_try_advisory_lock($1)", SCHEDULER_LOCK):
                 self._lock = connection
                 logger.info("this process now schedules syncs")
                 return
         except BaseException:
-            await self._pool.release(connection)
+            await connection.close()
             raise
-        await self._pool.release(connection)
+        await connection.close()
 
     @staticmethod
     async def _still_leading(connection: asyncpg.Connection) -> bool:
@@ -103,7 +104,6 @@ class Scheduler:
         connection, self._lock = self._lock, None
         if connection is None:
             return
+        # Closing the session releases its advisory lock.
         with contextlib.suppress(*_CONNECTION_ERRORS):
-            await connection.execute("SELECT pg_advisory_unlock($1)", SCHEDULER_LOCK)
-        with contextlib.suppress(*_CONNECTION_ERRORS):
-            await self._pool.release(connection)
+            await connection.close()
