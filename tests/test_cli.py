@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ragstream.connectors.folder import FolderConnector
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,17 @@ def test_ingest_reports_progress_and_failures_then_search(database_url: str, cor
     second = run(["ingest", str(corpus)], env)
     assert second.returncode == 1
     assert "2 unchanged" in second.stderr and "broken.md" in second.stderr and "binary" in second.stderr
+
+    status = run(["status", "--json", "--database-url", database_url], {"COLUMNS": "160"})
+    assert status.returncode == 0, status.stderr
+    mine = next(
+        row for row in json.loads(status.stdout) if row["connection_id"] == FolderConnector(corpus).connection_id
+    )
+    assert (mine["status"], mine["trigger"], mine["platform"], mine["last_error"]) == ("Ready", "cli", "folder", None)
+    assert (mine["listed"], mine["unchanged"], mine["indexed"], mine["failed"]) == (3, 2, 0, 1)
+    assert mine["listing_done"] and mine["finished_at"] is not None
+    table = run(["status"], env)
+    assert table.returncode == 0 and "Ready" in table.stdout
 
     found = run(["search", "quillwhistle pager handover", "--json", "--top-k", "3"], env)
     assert found.returncode == 0, found.stderr

@@ -188,7 +188,7 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(runtime: Runtime, c
     run = await runs.start(connection_id, "cli", running=True)
     assert run.status is RunStatus.SYNCING
 
-    outcome = await SyncRunner(runs, runtime.pipeline, progress_interval_s=0.01).execute(run)
+    outcome = await SyncRunner(runs, runtime.pipeline, progress_interval_s=0.2).execute(run)
 
     assert outcome.report is not None and outcome.report.ok
     done = await runs.get(run.id)
