@@ -3,6 +3,7 @@ the scheduler's leader election, progress of a real folder sync, failures and th
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -169,14 +170,22 @@ class RecordingRunStore(SyncRunStore):
     def __init__(self, pool: asyncpg.Pool) -> None:
         super().__init__(pool)
         self.writes: list[RunCounts] = []
+        self.statuses: list[str] = []
+        self._wrote = asyncio.Event()
+
+    async def written(self, count: int) -> None:
+        """Return once ``count`` progress writes have happened."""
+        while len(self.writes) < count:
+            self._wrote.clear()
+            await self._wrote.wait()
 
     async def progress(
         self, run_id: int, counts: RunCounts, rate: float | None, eta_seconds: float | None, *, moved: bool
     ) -> bool:
         written = await super().progress(run_id, counts, rate, eta_seconds, moved=moved)
-        status = await self._pool.fetchval("SELECT status FROM sync_runs WHERE id = $1", run_id)
-        assert status == "syncing"
+        self.statuses.append(await self._pool.fetchval("SELECT status FROM sync_runs WHERE id = $1", run_id))
         self.writes.append(counts)
+        self._wrote.set()
         return written
 
 
@@ -198,7 +207,43 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(runtime: Runtime, c
     )
     assert done.rate is not None and done.rate > 0 and done.finished_at is not None
     assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)
+    assert set(runs.statuses) == {"syncing"}
     assert await runtime.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
+
+
+class HungPipeline:
+    """A sync that never progresses, like a platform call that never answers."""
+
+    async def sync(self, connector: object, on_progress: object = None) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(runtime: Runtime, corpus: Path) -> None:
+    runs = RecordingRunStore(runtime.pool)
+    connection_id = await register_folder(runtime.store, corpus)
+    runner = SyncRunner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
+    hung = await runs.start(connection_id, "api", running=True)
+    task = asyncio.create_task(runner.execute(hung))
+    await runs.written(3)
+    row = await runs.get(hung.id)
+    assert row is not None and row.status is RunStatus.SYNCING
+    assert row.heartbeat_at == row.started_at  # progress rows written, but nothing moved
+
+    await runtime.pool.execute("UPDATE sync_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = $1", hung.id)
+    replacement = await runs.start(connection_id, "api", running=True)
+    outcome = await task  # the hung sync noticed that its run was failed as stale, and stopped
+    assert outcome.run is None and outcome.report is None
+    stale = await runs.get(hung.id)
+    assert stale is not None and stale.status is RunStatus.FAILED and (stale.reason or "").startswith("stale: ")
+
+    task = asyncio.create_task(runner.execute(replacement))
+    await runs.written(len(runs.writes) + 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    cancelled = await runs.get(replacement.id)
+    assert cancelled is not None
+    assert (cancelled.status, cancelled.reason) == (RunStatus.FAILED, "cancelled: the process stopped")
 
 
 async def test_a_failing_connector_fails_the_run_with_its_reason(runtime: Runtime, tmp_path: Path) -> None:
