@@ -86,7 +86,7 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
     env = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
     env["RAGSTREAM_DATA_DIR"] = str(data_dir)
     process = subprocess.Popen(
-        [*RAGSTREAM, "up", "--source", str(REPO / "examples" / "knowledge-base"), "--port", str(port)],
+        [*RAGSTREAM, "up", str(REPO / "examples" / "knowledge-base"), "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -107,6 +107,15 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
             time.sleep(0.5)
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
         assert sources and sources[0] == "zh/chailv-biaozhun.md"
+        connection = FolderConnector(REPO / "examples" / "knowledge-base").connection_id
+        # The run ends just after its last document is indexed: it may still be finishing.
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{base}/v1/connections/{connection}/status", timeout=5).json()
+            if status["status"] != "Syncing":
+                break
+            time.sleep(0.2)
+        assert (status["status"], status["progress"]["trigger"]) == ("Ready", "cli"), status
+        assert status["progress"]["indexed"] == status["progress"]["listed"] > 0
         assert (data_dir / "postgres" / "PG_VERSION").exists()
     finally:
         process.terminate()

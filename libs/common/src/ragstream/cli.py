@@ -190,15 +190,20 @@ def search(
 
 @app.command()
 def up(
+    folders: Annotated[
+        list[Path] | None, typer.Argument(help="Folders to sync, like --source", file_okay=False)
+    ] = None,
     source: Annotated[list[Path] | None, typer.Option("--source", help="Folder to sync (repeatable)")] = None,
     port: Annotated[int, typer.Option("--port")] = 8080,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     sync_interval: Annotated[float, typer.Option("--sync-interval", help="Seconds between syncs; 0 syncs once")] = 3600,
 ) -> None:
-    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process."""
+    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process. Each folder
+    becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
     from ragstream.embedded import serve
 
-    _run(lambda runtime: serve(runtime, [path.resolve() for path in source or []], host, port, sync_interval))
+    paths = [path.resolve() for path in [*(folders or []), *(source or [])]]
+    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval))
 
 
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
