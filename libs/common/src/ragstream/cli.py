@@ -206,6 +206,9 @@ def up(
     _run(lambda runtime: serve(runtime, paths, host, port, sync_interval))
 
 
+_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")
+
+
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
     run = item.latest
     counts = run.counts if run is not None else None
@@ -226,9 +229,6 @@ def _status_row(item: ConnectionOverview) -> dict[str, Any]:
         "finished_at": run.finished_at.isoformat() if run is not None and run.finished_at else None,
         "last_error": item.sync_error,
     }
-
-
-_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")
 
 
 @app.command()
