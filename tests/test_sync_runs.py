@@ -57,6 +57,15 @@ async def pool(fresh_dsn: str) -> AsyncIterator[asyncpg.Pool]:
         await opened.close()
 
 
+@pytest.fixture
+async def shared(runtime: Runtime) -> AsyncIterator[Runtime]:
+    """The session's runtime; the connections a test adds are deleted after it with their documents,
+    so the corpus statistics of BM25 that other tests rank by stay as they were."""
+    before = [row["id"] for row in await runtime.pool.fetch("SELECT id FROM connections")]
+    yield runtime
+    await runtime.pool.execute("DELETE FROM connections WHERE NOT (id = ANY($1::text[]))", before)
+
+
 async def add_connection(pool: asyncpg.Pool, connection_id: str, platform: str = "folder", **columns: object) -> None:
     await pool.execute("INSERT INTO connections (id, platform, name) VALUES ($1, $2, $1)", connection_id, platform)
     for column, value in columns.items():
@@ -189,15 +198,15 @@ class RecordingRunStore(SyncRunStore):
         return written
 
 
-async def test_a_folder_sync_writes_progress_then_ends_ready(runtime: Runtime, corpus: Path) -> None:
+async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, corpus: Path) -> None:
     for index in range(300):
         (corpus / f"note-{index:03}.md").write_text(f"# Note {index}\n\nSmall note number {index} about ferns.\n")
-    runs = RecordingRunStore(runtime.pool)
-    connection_id = await register_folder(runtime.store, corpus)
+    runs = RecordingRunStore(shared.pool)
+    connection_id = await register_folder(shared.store, corpus)
     run = await runs.start(connection_id, "cli", running=True)
     assert run.status is RunStatus.SYNCING
 
-    outcome = await SyncRunner(runs, runtime.pipeline, progress_interval_s=0.2).execute(run)
+    outcome = await SyncRunner(runs, shared.pipeline, progress_interval_s=0.2).execute(run)
 
     assert outcome.report is not None and outcome.report.ok
     done = await runs.get(run.id)
@@ -208,7 +217,7 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(runtime: Runtime, c
     assert done.rate is not None and done.rate > 0 and done.finished_at is not None
     assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)
     assert set(runs.statuses) == {"syncing"}
-    assert await runtime.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
+    assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
 
 
 class HungPipeline:
@@ -218,9 +227,9 @@ class HungPipeline:
         await asyncio.Event().wait()
 
 
-async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(runtime: Runtime, corpus: Path) -> None:
-    runs = RecordingRunStore(runtime.pool)
-    connection_id = await register_folder(runtime.store, corpus)
+async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: Runtime, corpus: Path) -> None:
+    runs = RecordingRunStore(shared.pool)
+    connection_id = await register_folder(shared.store, corpus)
     runner = SyncRunner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
     hung = await runs.start(connection_id, "api", running=True)
     task = asyncio.create_task(runner.execute(hung))
@@ -229,7 +238,7 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(runtime:
     assert row is not None and row.status is RunStatus.SYNCING
     assert row.heartbeat_at == row.started_at  # progress rows written, but nothing moved
 
-    await runtime.pool.execute("UPDATE sync_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = $1", hung.id)
+    await shared.pool.execute("UPDATE sync_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = $1", hung.id)
     replacement = await runs.start(connection_id, "api", running=True)
     outcome = await task  # the hung sync noticed that its run was failed as stale, and stopped
     assert outcome.run is None and outcome.report is None
@@ -246,14 +255,14 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(runtime:
     assert (cancelled.status, cancelled.reason) == (RunStatus.FAILED, "cancelled: the process stopped")
 
 
-async def test_a_failing_connector_fails_the_run_with_its_reason(runtime: Runtime, tmp_path: Path) -> None:
-    runs = SyncRunStore(runtime.pool)
-    runner = SyncRunner(runs, runtime.pipeline)
+async def test_a_failing_connector_fails_the_run_with_its_reason(shared: Runtime, tmp_path: Path) -> None:
+    runs = SyncRunStore(shared.pool)
+    runner = SyncRunner(runs, shared.pipeline)
     platform_id = f"feishu-{uuid.uuid4().hex[:8]}"
-    await runtime.store.ensure_connection(platform_id, "feishu", "Team wiki")
+    await shared.store.ensure_connection(platform_id, "feishu", "Team wiki")
     gone = tmp_path / "gone"
     gone.mkdir()
-    folder_id = await register_folder(runtime.store, gone)
+    folder_id = await register_folder(shared.store, gone)
     gone.rmdir()
 
     for connection_id, reason in [
@@ -265,7 +274,7 @@ async def test_a_failing_connector_fails_the_run_with_its_reason(runtime: Runtim
         assert outcome.report is None and outcome.run is not None
         assert (outcome.run.status, outcome.run.reason) == (RunStatus.FAILED, reason)
         assert await runs.active(connection_id) is None
-        assert await runtime.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == reason
+        assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == reason
 
 
 class FlakyEmbedder:
@@ -295,21 +304,21 @@ class FlakyEmbedder:
         """The inner embedder belongs to the runtime."""
 
 
-async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(runtime: Runtime, corpus: Path) -> None:
+async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(shared: Runtime, corpus: Path) -> None:
     for index in range(36):
         (corpus / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nThe heronwick ledger entry {index} is filed.\n")
-    runs = SyncRunStore(runtime.pool)
-    connection_id = await register_folder(runtime.store, corpus)
-    first = await SyncRunner(runs, runtime.pipeline).execute(await runs.start(connection_id, "cli", running=True))
+    runs = SyncRunStore(shared.pool)
+    connection_id = await register_folder(shared.store, corpus)
+    first = await SyncRunner(runs, shared.pipeline).execute(await runs.start(connection_id, "cli", running=True))
     assert first.run is not None and first.run.status is RunStatus.READY
 
     async def snapshot() -> tuple[list[tuple[str, str, str]], list[str]]:
-        rows = await runtime.pool.fetch(
+        rows = await shared.pool.fetch(
             "SELECT d.source, d.status, c.id FROM documents d LEFT JOIN chunks c ON c.document_id = d.id"
             " WHERE d.connection_id = $1 AND d.source LIKE 'doc-%' ORDER BY 1, 3",
             connection_id,
         )
-        response = await runtime.retriever.search(
+        response = await shared.retriever.search(
             SearchRequest(query="heronwick ledger entry", filters=SearchFilters(connection_ids=[connection_id]))
         )
         return [(row["source"], row["status"], row["id"]) for row in rows], [r.chunk_id for r in response.results]
@@ -321,11 +330,11 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(r
     for index in range(4):
         (corpus / f"a-survivor-{index}.md").write_text(f"# Survivor {index}\n\nA survivor note {index}.\n")
     flaky = EmbeddedPipeline(
-        runtime.store,
-        runtime.chunker,
-        EmbedService(FlakyEmbedder(runtime.embedder)),
-        runtime.indexer,
-        max_document_bytes=runtime.settings.max_document_bytes,
+        shared.store,
+        shared.chunker,
+        EmbedService(FlakyEmbedder(shared.embedder)),
+        shared.indexer,
+        max_document_bytes=shared.settings.max_document_bytes,
     )
     run = await runs.start(connection_id, "api", running=True)
 
@@ -338,7 +347,7 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(r
     assert "% of chunks" in failed.reason and "without a vector" in failed.reason
     assert failed.counts.failed < 35  # stopped early instead of marching through every document
     assert await snapshot() == before  # same chunk ids, doc-35 not deleted, same search results
-    assert await runtime.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == (
+    assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == (
         failed.reason
     )
 
@@ -347,13 +356,13 @@ async def ready() -> bool:
     return True
 
 
-async def test_the_sync_routes(runtime: Runtime, corpus: Path) -> None:
+async def test_the_sync_routes(shared: Runtime, corpus: Path) -> None:
     (corpus / "a.md").write_text("# A\n\nText.\n")
-    connection_id = await register_folder(runtime.store, corpus)
-    runs = SyncRunStore(runtime.pool)
+    connection_id = await register_folder(shared.store, corpus)
+    runs = SyncRunStore(shared.pool)
     woken: list[bool] = []
     app = create_app(
-        lambda: runtime.retriever, ready=ready, sync_routes=sync_router(lambda: runs, lambda: woken.append(True))
+        lambda: shared.retriever, ready=ready, sync_routes=sync_router(lambda: runs, lambda: woken.append(True))
     )
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
