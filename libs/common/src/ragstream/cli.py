@@ -147,7 +147,8 @@ def ingest(
         ),
     ] = None,
 ) -> None:
-    """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed."""
+    """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed, if the
+    sync itself failed, or if one of this folder was already running."""
     config = _chunking_config(chunker, chunk_size, chunk_overlap, semantic_threshold, semantic_amount)
     outcome = _run(lambda runtime: _sync_folder(runtime, path.resolve(), config=config))
     assert isinstance(outcome, RunOutcome)
