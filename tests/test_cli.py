@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ragstream.connectors.folder import FolderConnector
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +43,17 @@ def test_ingest_reports_progress_and_failures_then_search(database_url: str, cor
     second = run(["ingest", str(corpus)], env)
     assert second.returncode == 1
     assert "2 unchanged" in second.stderr and "broken.md" in second.stderr and "binary" in second.stderr
+
+    status = run(["status", "--json", "--database-url", database_url], {"COLUMNS": "160"})
+    assert status.returncode == 0, status.stderr
+    mine = next(
+        row for row in json.loads(status.stdout) if row["connection_id"] == FolderConnector(corpus).connection_id
+    )
+    assert (mine["status"], mine["trigger"], mine["platform"], mine["last_error"]) == ("Ready", "cli", "folder", None)
+    assert (mine["listed"], mine["unchanged"], mine["indexed"], mine["failed"]) == (3, 2, 0, 1)
+    assert mine["listing_done"] and mine["finished_at"] is not None
+    table = run(["status"], env)
+    assert table.returncode == 0 and "Ready" in table.stdout
 
     found = run(["search", "quillwhistle pager handover", "--json", "--top-k", "3"], env)
     assert found.returncode == 0, found.stderr
@@ -73,7 +86,7 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
     env = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
     env["RAGSTREAM_DATA_DIR"] = str(data_dir)
     process = subprocess.Popen(
-        [*RAGSTREAM, "up", "--source", str(REPO / "examples" / "knowledge-base"), "--port", str(port)],
+        [*RAGSTREAM, "up", str(REPO / "examples" / "knowledge-base"), "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -98,6 +111,15 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
         assert replayed.status_code == 200 and replayed.json()["replayed"] == 0, replayed.text
         assert httpx.post(f"{base}/v1/replays", json={"source": "dead-letter"}, timeout=30).status_code == 422
         assert httpx.get(f"{base}/v1/connections", timeout=5).status_code == 200
+        connection = FolderConnector(REPO / "examples" / "knowledge-base").connection_id
+        # The run ends just after its last document is indexed: it may still be finishing.
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{base}/v1/connections/{connection}/status", timeout=5).json()
+            if status["status"] != "Syncing":
+                break
+            time.sleep(0.2)
+        assert (status["status"], status["progress"]["trigger"]) == ("Ready", "cli"), status
+        assert status["progress"]["indexed"] == status["progress"]["listed"] > 0
         assert (data_dir / "postgres" / "PG_VERSION").exists()
     finally:
         process.terminate()

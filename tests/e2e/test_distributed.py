@@ -91,7 +91,22 @@ def found(retriever: ServiceProcess, folder: Path, term: str) -> list[str]:
     return [str(r["source"]) for r in search(retriever, folder, term) if term in str(r["text"])]
 
 
-def test_ingest_edit_delete_through_kafka(services: dict[str, ServiceProcess], tmp_path: Path) -> None:
+async def fetch_runs(database_url: str, folder: Path) -> list[tuple[str, str, int, int, int]]:
+    """(trigger, status, listed, changed, deleted) of the folder's sync runs, oldest first."""
+    connection = await asyncpg.connect(database_url)
+    try:
+        rows = await connection.fetch(
+            "SELECT trigger, status, listed, changed, deleted FROM sync_runs WHERE connection_id = $1 ORDER BY id",
+            FolderConnector(folder).connection_id,
+        )
+    finally:
+        await connection.close()
+    return [tuple(row.values()) for row in rows]
+
+
+def test_ingest_edit_delete_through_kafka(
+    services: dict[str, ServiceProcess], database_url: str, tmp_path: Path
+) -> None:
     folder = tmp_path / "kb"
     folder.mkdir()
     (folder / "alpha.md").write_text("# Alpha\n\n## Ports\n\nThe frobnicator listens on port 7411.\n")
@@ -124,6 +139,11 @@ def test_ingest_edit_delete_through_kafka(services: dict[str, ServiceProcess], t
     (folder / "beta.md").unlink()
     trigger_sync(fetcher, folder)
     wait_until(lambda: found(retriever, folder, "值班交接") == [], what="deletion indexed")
+    assert asyncio.run(fetch_runs(database_url, folder)) == [
+        ("api", "ready", 2, 2, 0),
+        ("api", "ready", 2, 1, 0),
+        ("api", "ready", 1, 0, 1),
+    ]
 
 
 async def committed_state(database_url: str, folder: Path) -> tuple[set[str], list[tuple[str, int]], int]:

@@ -1,4 +1,5 @@
-"""The ``ragstream`` command: embedded mode (up), folder sync (ingest), search and credential rotation."""
+"""The ``ragstream`` command: embedded mode (up), folder sync (ingest), search, sync status, replay and
+credential rotation."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ragstream.api.syncs import status_label
 from ragstream.chunking import parse_chunking
-from ragstream.connectors.folder import FolderConnector
+from ragstream.connectors.registry import register_folder
+from ragstream.control.runner import RunOutcome, SyncRunner
+from ragstream.control.runs import ConnectionOverview, SyncInProgress, SyncRunStore
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.pipeline import SyncProgress, SyncReport
@@ -25,6 +29,7 @@ from ragstream.runtime import Runtime, open_runtime, resolve_database
 from ragstream.settings import Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.database import connect_pool
 
 __all__ = ["app"]
 
@@ -57,16 +62,19 @@ def _report(report: SyncReport, source: str) -> None:
         console.print(table)
 
 
-async def _sync_folder(
-    runtime: Runtime,
-    folder: Path,
-    observe: Callable[[str, SyncProgress], None] | None = None,
-    config: dict[str, Any] | None = None,
-) -> SyncReport:
-    """Sync with a progress bar; ``observe`` also receives every update (the API's live progress).
+async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | None = None) -> RunOutcome:
+    """Sync as a run (trigger ``cli``) in the foreground, with a progress bar.
 
-    ``config`` is stored as the connection's config (``--chunker``); None keeps the stored one."""
-    connector = FolderConnector(folder, config)
+    ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
+    settings = runtime.settings
+    runs = SyncRunStore(runtime.pool, stale_timeout_s=settings.sync_stale_timeout_s)
+    connection_id = await register_folder(runtime.store, folder, config)
+    try:
+        run = await runs.start(connection_id, "cli", running=True)
+    except SyncInProgress:
+        console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
+        return RunOutcome(None, None)
+    runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -77,7 +85,7 @@ async def _sync_folder(
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(f"sync {connector.name}", total=None, rate=0.0)
+        task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
 
         def show(progress: SyncProgress) -> None:
             bar.update(
@@ -86,12 +94,13 @@ async def _sync_folder(
                 completed=progress.done,
                 rate=progress.rate,
             )
-            if observe is not None:
-                observe(connector.connection_id, progress)
 
-        report = await runtime.pipeline().sync(connector, show)
-    _report(report, str(folder))
-    return report
+        outcome = await runner.execute(run, show)
+    if outcome.report is not None:
+        _report(outcome.report, str(folder))
+    elif outcome.run is not None:
+        console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.reason}")
+    return outcome
 
 
 def _chunking_config(
@@ -145,11 +154,12 @@ def ingest(
         ),
     ] = None,
 ) -> None:
-    """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed."""
+    """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed, if the
+    sync itself failed, or if one of this folder was already running."""
     config = _chunking_config(chunker, chunk_size, chunk_overlap, semantic_threshold, semantic_amount)
-    report = _run(lambda runtime: _sync_folder(runtime, path, config=config))
-    assert isinstance(report, SyncReport)
-    raise typer.Exit(0 if report.ok else 1)
+    outcome = _run(lambda runtime: _sync_folder(runtime, path.resolve(), config=config))
+    assert isinstance(outcome, RunOutcome)
+    raise typer.Exit(0 if outcome.report is not None and outcome.report.ok else 1)
 
 
 @app.command()
@@ -236,19 +246,84 @@ def replay(
 
 @app.command()
 def up(
+    folders: Annotated[
+        list[Path] | None, typer.Argument(help="Folders to sync, like --source", file_okay=False)
+    ] = None,
     source: Annotated[list[Path] | None, typer.Option("--source", help="Folder to sync (repeatable)")] = None,
     port: Annotated[int, typer.Option("--port")] = 8080,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     sync_interval: Annotated[float, typer.Option("--sync-interval", help="Seconds between syncs; 0 syncs once")] = 3600,
 ) -> None:
-    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process."""
+    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process. Each folder
+    becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
     from ragstream.embedded import serve
 
-    _run(
-        lambda runtime: serve(
-            runtime, [path.resolve() for path in source or []], host, port, sync_interval, _sync_folder
+    paths = [path.resolve() for path in [*(folders or []), *(source or [])]]
+    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval))
+
+
+_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")
+
+
+def _status_row(item: ConnectionOverview) -> dict[str, Any]:
+    run = item.latest
+    counts = run.counts if run is not None else None
+    return {
+        "connection_id": item.connection.id,
+        "name": item.connection.name,
+        "platform": item.connection.platform,
+        "rag_enabled": item.rag_enabled,
+        "schedule_seconds": item.schedule_seconds,
+        "status": status_label(run.status) if run is not None else None,
+        "trigger": run.trigger if run is not None else None,
+        "reason": run.reason if run is not None else None,
+        **{name: getattr(counts, name) if counts is not None else 0 for name in _COUNT_NAMES},
+        "listing_done": counts.listing_done if counts is not None else False,
+        "rate": run.rate if run is not None else None,
+        "eta_seconds": run.eta_seconds if run is not None else None,
+        "started_at": run.started_at.isoformat() if run is not None and run.started_at else None,
+        "finished_at": run.finished_at.isoformat() if run is not None and run.finished_at else None,
+        "last_error": item.sync_error,
+    }
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list, one object per connection")] = False,
+    database_url: Annotated[
+        str | None, typer.Option("--database-url", help="PostgreSQL DSN; default DATABASE_URL, else the embedded store")
+    ] = None,
+) -> None:
+    """Each connection's latest sync: status, counts, rate, ETA and last error."""
+
+    async def load() -> list[ConnectionOverview]:
+        settings = Settings(database_url=database_url) if database_url else Settings()
+        async with resolve_database(settings) as dsn:
+            pool = await connect_pool(dsn, max_size=2)
+            try:
+                return await SyncRunStore(pool).overview()
+            finally:
+                await pool.close()
+
+    rows = [_status_row(item) for item in asyncio.run(load())]
+    if as_json:
+        sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=2) + "\n")
+        return
+    table = Table("connection", "platform", "status", "done/listed", "indexed", "failed", "docs/s", "ETA", "last error")
+    for row in rows:
+        done = row["unchanged"] + row["indexed"] + row["failed"]
+        table.add_row(
+            row["name"],
+            row["platform"],
+            row["status"] or "never synced",
+            f"{done}/{row['listed']}",
+            str(row["indexed"]),
+            str(row["failed"]),
+            f"{row['rate']:.1f}" if row["rate"] is not None else "",
+            f"{row['eta_seconds']:.0f} s" if row["eta_seconds"] is not None and row["status"] == "Syncing" else "",
+            row["last_error"] or row["reason"] or "",
         )
-    )
+    Console().print(table)
 
 
 @credentials.command()

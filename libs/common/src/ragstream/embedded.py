@@ -1,4 +1,4 @@
-"""``ragstream up``: the HTTP API and periodic folder syncs sharing one event loop."""
+"""``ragstream up``: the HTTP API, the sync runner and the scheduler sharing one event loop."""
 
 from __future__ import annotations
 
@@ -13,8 +13,12 @@ from fastapi import HTTPException
 from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.api.syncs import sync_router
+from ragstream.connectors.registry import register_folder
+from ragstream.control.runner import SyncRunner
+from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
-from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
@@ -24,26 +28,35 @@ from ragstream.storage.documents_read import DocumentReadStore
 __all__ = ["serve"]
 
 
-async def serve(
-    runtime: Runtime,
-    sources: list[Path],
-    host: str,
-    port: int,
-    sync_interval: float,
-    sync_folder: Callable[[Runtime, Path, Callable[[str, SyncProgress], None]], Awaitable[SyncReport]],
-) -> None:
-    progress: dict[str, SyncProgress] = {}
+async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, sync_interval: float) -> None:
+    """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
+    seconds (0: only now) through sync runs, like any connection created over the API."""
+    settings = runtime.settings
+    runs = SyncRunStore(runtime.pool, stale_timeout_s=settings.sync_stale_timeout_s)
+    runner = SyncRunner(
+        runs,
+        runtime.pipeline,
+        max_concurrent=settings.max_concurrent_syncs,
+        progress_interval_s=settings.sync_progress_interval_s,
+    )
+    for folder in sources:
+        connection_id = await register_folder(runtime.store, folder)
+        await runs.set_schedule(connection_id, round(sync_interval))
+        with contextlib.suppress(SyncInProgress):  # another process syncs it already
+            await runs.start(connection_id, "cli")
 
     async def ready() -> bool:
         return bool(await runtime.pool.fetchval("SELECT true"))
 
-    async def keep_synced() -> None:
-        while True:
-            for folder in sources:
-                await sync_folder(runtime, folder, progress.__setitem__)
-            if sync_interval <= 0:
-                return
-            await asyncio.sleep(sync_interval)
+    def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
+        """A connection created with RAG on, or switched back on, is synced in full right away."""
+
+        async def start(connection_id: str) -> None:
+            with contextlib.suppress(SyncInProgress):
+                await runs.start(connection_id, trigger)
+            runner.wake()
+
+        return start
 
     async def replay(request: ReplayRequest) -> ReplayResult:
         if request.source == "dead-letter":
@@ -57,23 +70,27 @@ async def serve(
             failed_again=replayed.failed,
         )
 
+    connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings))
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     app = create_app(
         lambda: runtime.retriever,
         ready=ready,
-        sync_progress=lambda: progress,
+        sync_progress=lambda: runner.live,
         reader=lambda: reader,
         routers=[
-            connections_router(ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))),
+            connections_router(connections, on_created=first_sync("create"), on_rag_enabled=first_sync("api")),
+            sync_router(lambda: runs, runner.wake),
             replay_router(replay),
         ],
         title="ragstream",
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    syncing = asyncio.create_task(keep_synced())
+    background = [asyncio.create_task(runner.serve())]
+    if settings.scheduler_enabled:
+        background.append(asyncio.create_task(Scheduler(runtime.dsn, runs, on_enqueued=runner.wake).run()))
     try:
         await server.serve()
     finally:
-        syncing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await syncing
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ragstream.connectors.base import Connector
+from ragstream.degradation import EmbeddingDegraded, EmbeddingGuard
 from ragstream.failures import classify, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, IndexOutcome
 from ragstream.stages.chunk import ChunkService
@@ -65,22 +66,28 @@ class SyncReport:
 
 
 class _QueueSink:
+    """Changes go to the workers at once; deletions wait until every change is indexed or failed, so a
+    sync stopped by the embedding guard deletes nothing."""
+
     def __init__(self, queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None]) -> None:
         self._queue = queue
+        self.deletions: list[DocumentDeleted] = []
 
     async def changed(self, message: DocumentChanged) -> None:
         await self._queue.put(message)
 
     async def deleted(self, message: DocumentDeleted) -> None:
-        await self._queue.put(message)
+        self.deletions.append(message)
 
 
 class EmbeddedPipeline:
     """Runs a sync to the end: fetch announces changes, workers chunk, embed and index each document.
 
     Every failure is per document: it is recorded in ``document_failures`` with its step and reason
-    and the other documents go on. The queue is bounded so a huge folder is not staged faster than
-    it can be embedded.
+    and the other documents go on, unless the embedding service degrades: once more than
+    ``max_unembedded_ratio`` of the chunks come back without a vector, the sync raises
+    ``EmbeddingDegraded``. The queue is bounded so a huge folder is not staged faster than it can be
+    embedded.
     """
 
     def __init__(
@@ -92,6 +99,8 @@ class EmbeddedPipeline:
         *,
         max_document_bytes: int,
         workers: int = 4,
+        max_unembedded_ratio: float = 0.8,
+        guard_min_chunks: int = 20,
     ) -> None:
         self._store = store
         self._chunker = chunker
@@ -99,6 +108,8 @@ class EmbeddedPipeline:
         self._indexer = indexer
         self._max_bytes = max_document_bytes
         self._workers = workers
+        self._max_unembedded_ratio = max_unembedded_ratio
+        self._guard_min_chunks = guard_min_chunks
 
     async def sync(self, connector: Connector, on_progress: Callable[[SyncProgress], None] | None = None) -> SyncReport:
         progress = SyncProgress()
@@ -110,17 +121,24 @@ class EmbeddedPipeline:
             notify(progress)
 
         fetch = FetchService(self._store, connector, max_document_bytes=self._max_bytes, on_item=listed)
-        await self._drive(fetch.run, progress, notify)
+        guard = EmbeddingGuard(self._max_unembedded_ratio, self._guard_min_chunks)
+        await self._drive(fetch.run, progress, notify, guard)
         return SyncReport(connector.connection_id, progress, await self._store.failures(connector.connection_id))
 
     async def replay(
         self, connection_id: str | None = None, on_progress: Callable[[SyncProgress], None] | None = None
     ) -> tuple[ReplayCounts, SyncProgress]:
-        """Re-drive the failed documents (of one connection, or all) through chunk, embed and index."""
+        """Re-drive the failed documents (of one connection, or all) through chunk, embed and index.
+
+        A replay carries only failures, so many failing again just means the cause persists: its
+        guard never trips, and the report says how many failed again."""
         progress = SyncProgress()
         replay = ReplayService(self._store)
         counts = await self._drive(
-            lambda sink: replay.failures(sink, connection_id), progress, on_progress or (lambda _: None)
+            lambda sink: replay.failures(sink, connection_id),
+            progress,
+            on_progress or (lambda _: None),
+            EmbeddingGuard(max_failed_ratio=1.0),
         )
         return counts, progress
 
@@ -129,18 +147,27 @@ class EmbeddedPipeline:
         announce: Callable[[ChangeSink], Awaitable[_Counts]],
         progress: SyncProgress,
         notify: Callable[[SyncProgress], None],
+        guard: EmbeddingGuard,
     ) -> _Counts:
-        """Run ``announce`` into a bounded queue that the workers drain, until both are done."""
+        """Run ``announce`` into a bounded queue that the workers drain; deletions go last."""
         queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None] = asyncio.Queue(maxsize=self._workers * 4)
+        sink = _QueueSink(queue)
         # A task group: if a worker dies (PostgreSQL gone), the listing stops too instead of
         # waiting forever on a full queue, and the error reaches the caller.
-        async with asyncio.TaskGroup() as group:
-            for _ in range(self._workers):
-                group.create_task(self._work(queue, progress, notify))
-            counts = await announce(_QueueSink(queue))
-            progress.listing_done = True
-            for _ in range(self._workers):
-                await queue.put(None)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(self._workers):
+                    group.create_task(self._work(queue, progress, notify, guard))
+                counts = await announce(sink)
+                progress.listing_done = True
+                await queue.join()
+                guard.check(final=True)
+                for deletion in sink.deletions:
+                    await queue.put(deletion)
+                for _ in range(self._workers):
+                    await queue.put(None)
+        except* EmbeddingDegraded as degraded:
+            raise degraded.exceptions[0] from None
         notify(progress)
         return counts
 
@@ -149,28 +176,38 @@ class EmbeddedPipeline:
         queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None],
         progress: SyncProgress,
         notify: Callable[[SyncProgress], None],
+        guard: EmbeddingGuard,
     ) -> None:
         while (message := await queue.get()) is not None:
             if isinstance(message, DocumentDeleted):
                 if (await self._indexer.delete(message)).outcome is IndexOutcome.DELETED:
                     progress.deleted += 1
-            elif await self._index(message, progress):
+            elif await self._index(message, progress, guard):
                 progress.indexed += 1
             else:
                 progress.failed_processing += 1
             notify(progress)
+            queue.task_done()
+            guard.check()
 
-    async def _index(self, message: DocumentChanged, progress: SyncProgress) -> bool:
+    async def _index(self, message: DocumentChanged, progress: SyncProgress, guard: EmbeddingGuard) -> bool:
+        """Chunk, embed and commit one document; its chunks count as embedded or not for the guard."""
         step = "chunk"
+        chunk_count = 0
         try:
-            for batch in await self._chunker.run(message):
+            batches = await self._chunker.run(message)
+            chunk_count = sum(len(batch.chunks) for batch in batches)
+            for batch in batches:
                 step = "embed"
                 embedded = await self._embedder.run(batch)
                 step = "index"
                 indexed = await self._indexer.run(embedded)
                 if indexed is not None:
                     progress.chunks += indexed.chunk_count
+            guard.record(embedded=chunk_count)
             return True
         except Exception as error:  # one document's failure must not stop the sync; it is recorded
+            if step == "embed":
+                guard.record(failed=chunk_count)
             await record_failure(self._store, message.header, step, classify(error))
         return False

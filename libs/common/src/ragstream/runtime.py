@@ -34,6 +34,8 @@ class Runtime:
     """The per-process singletons: pool, stores, embedder and the stage services built on them."""
 
     settings: Settings
+    # The pool's DSN, for what must hold a connection of its own (the scheduler's leader lock).
+    dsn: str
     pool: asyncpg.Pool
     store: DocumentStore
     embedder: Embedder
@@ -95,6 +97,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
         chunking = settings.chunking
         yield Runtime(
             settings=settings,
+            dsn=dsn,
             pool=pool,
             store=store,
             embedder=embedder,

@@ -115,6 +115,27 @@ class Settings(BaseSettings):
             "connections cannot be given credentials.",
         ),
     ] = None
+    sync_stale_timeout_s: Annotated[
+        float,
+        Field(
+            title="Seconds without progress after which a running sync counts as stale",
+            description="A new sync of the connection then marks it failed instead of answering 409.",
+            gt=0,
+        ),
+    ] = 1800
+    max_concurrent_syncs: Annotated[
+        int, Field(title="Syncs running at once across replicas", description="The rest wait as queued.", ge=1)
+    ] = 2
+    sync_progress_interval_s: Annotated[
+        float, Field(title="Seconds between progress writes of a running sync", gt=0, le=5)
+    ] = 2
+    scheduler_enabled: Annotated[
+        bool,
+        Field(
+            title="Run scheduled syncs",
+            description="Each connection's schedule_seconds; one replica leads through an advisory lock.",
+        ),
+    ] = True
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
 

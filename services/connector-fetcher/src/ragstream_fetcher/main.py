@@ -5,12 +5,16 @@ the periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, and ends once every diffe
 the source listing and the committed state has been published (and acknowledged by Kafka).
 ``POST /v1/replays`` publishes failed documents (from the failures table or the dead-letter topic)
 to ``doc.changed`` again.
+Each sync is also a row in ``sync_runs`` with the fetch stage's counts, so the database refuses a
+second sync of a connection from any replica and ``ragstream status`` shows it; its status is the
+fetch stage's (ready: everything announced; indexing goes on downstream).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -24,6 +28,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.folder import FolderConnector
+from ragstream.connectors.registry import register_folder
+from ragstream.control.runner import failure_reason
+from ragstream.control.runs import RunCounts, RunStatus, SyncInProgress, SyncRun, SyncRunStore, Trigger
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -31,6 +38,8 @@ from ragstream.stages.fetch import FetchService, SyncCounts
 from ragstream.stages.replay import ReplayService
 
 __all__ = ["FetcherSettings", "create_app"]
+
+logger = logging.getLogger(__name__)
 
 
 class FetcherSettings(BaseSettings):
@@ -61,40 +70,77 @@ def create_app() -> FastAPI:
     syncs: dict[str, SyncStatus] = {}
     running: dict[str, asyncio.Task[None]] = {}
 
-    async def run_sync(connector: FolderConnector) -> None:
+    def run_store() -> SyncRunStore:
+        return SyncRunStore(state["runtime"].pool, stale_timeout_s=settings.sync_stale_timeout_s)
+
+    def run_counts(counts: SyncCounts, *, listing_done: bool = False) -> RunCounts:
+        return RunCounts(
+            listed=counts.seen,
+            unchanged=counts.unchanged,
+            changed=counts.changed,
+            deleted=counts.deleted,
+            failed=counts.failed,
+            listing_done=listing_done,
+        )
+
+    async def run_sync(connector: FolderConnector, run: SyncRun) -> None:
         status = syncs[connector.connection_id]
+        runs = run_store()
+        started = last_write = time.monotonic()
+        latest = SyncCounts()
+
+        def rate(counts: SyncCounts) -> float:
+            return counts.seen / max(time.monotonic() - started, 1e-9)
 
         async def observe(counts: SyncCounts) -> None:
+            nonlocal last_write, latest
+            latest = counts
             status.counts = asdict(counts) | {"changed_ids": len(counts.changed_ids)}
+            # Throttled like the embedded runner; every write here means the listing moved.
+            if time.monotonic() - last_write >= settings.sync_progress_interval_s:
+                await runs.progress(run.id, run_counts(counts), rate(counts), None, moved=True)
+                last_write = time.monotonic()
 
         try:
             service = FetchService(
                 state["runtime"].store, connector, max_document_bytes=settings.max_document_bytes, on_item=observe
             )
-            await observe(await service.run(KafkaChangeSink(broker)))
+            counts = await service.run(KafkaChangeSink(broker))
+            await observe(counts)
+            await runs.finish(run.id, RunStatus.READY, None, run_counts(counts, listing_done=True), rate(counts))
             status.state = "ready"
+        except asyncio.CancelledError:
+            await runs.finish(run.id, RunStatus.FAILED, "cancelled: the process stopped", run_counts(latest), None)
+            raise
         except Exception as error:
-            status.state, status.error = "failed", f"{type(error).__name__}: {error}"
+            status.state, status.error = "failed", failure_reason(error)
+            await runs.finish(run.id, RunStatus.FAILED, status.error, run_counts(latest), None)
             raise
         finally:
             running.pop(connector.connection_id, None)
 
-    def start_sync(folder: Path) -> SyncStatus:
+    async def start_sync(folder: Path, trigger: Trigger) -> SyncStatus:
         try:
             connector = FolderConnector(folder)
         except NotADirectoryError as error:
             raise HTTPException(status_code=422, detail=f"{folder} is not a folder the fetcher can read") from error
-        if connector.connection_id in running:
-            raise HTTPException(status_code=409, detail="Sync already in progress")
+        runs = run_store()
+        await register_folder(state["runtime"].store, folder)
+        try:
+            run = await runs.start(connector.connection_id, trigger, running=True)
+        except SyncInProgress as error:
+            raise HTTPException(status_code=409, detail=str(error)) from error
         syncs[connector.connection_id] = SyncStatus(connection_id=connector.connection_id, state="syncing", counts={})
-        running[connector.connection_id] = asyncio.create_task(run_sync(connector))
+        running[connector.connection_id] = asyncio.create_task(run_sync(connector, run))
         return syncs[connector.connection_id]
 
     async def timer() -> None:
         while True:
             for folder in fetcher.folders:
-                with contextlib.suppress(HTTPException):
-                    start_sync(folder)
+                try:
+                    await start_sync(folder, "schedule")
+                except HTTPException as error:
+                    logger.warning("timed sync of %s not started: %s", folder, error.detail)
             await asyncio.sleep(fetcher.interval_s)
 
     @asynccontextmanager
@@ -109,8 +155,11 @@ def create_app() -> FastAPI:
             try:
                 yield
             finally:
-                for task in [*running.values(), *([ticking] if ticking else [])]:
+                tasks = [*running.values(), *([ticking] if ticking else [])]
+                for task in tasks:
                     task.cancel()
+                # Wait, so cancelled syncs are recorded as failed before the pool closes.
+                await asyncio.gather(*tasks, return_exceptions=True)
                 state.clear()
         await broker.stop()
 
@@ -129,7 +178,7 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/syncs", status_code=202, response_model=SyncStatus)
     async def create_sync(request: SyncRequest) -> SyncStatus:
-        return start_sync(Path(request.path))
+        return await start_sync(Path(request.path), "api")
 
     @app.get("/v1/syncs/{connection_id}", response_model=SyncStatus)
     async def get_sync(connection_id: str) -> SyncStatus:

@@ -24,13 +24,17 @@ class FolderConnector:
 
     platform = "folder"
 
-    def __init__(self, root: Path, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, root: Path, config: Mapping[str, Any] | None = None, *, connection_id: str | None = None
+    ) -> None:
+        """``connection_id`` is the stored connection's id; by default one derived from the path, so
+        syncing the same folder from the CLI always lands in the same connection."""
         self.root = root.resolve()
         # The connection's config to store (e.g. ``{"chunking": {...}}``); None keeps the stored one.
         self.config = dict(config) if config is not None else None
         if not self.root.is_dir():
             raise NotADirectoryError(f"{root} is not a folder")
-        self.connection_id = "folder-" + hashlib.sha256(str(self.root).encode()).hexdigest()[:16]
+        self.connection_id = connection_id or "folder-" + hashlib.sha256(str(self.root).encode()).hexdigest()[:16]
         self.name = self.root.name or str(self.root)
 
     async def list_items(self) -> AsyncIterator[SourceItem]:

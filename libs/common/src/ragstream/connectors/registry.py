@@ -1,0 +1,48 @@
+"""Builds the connector of a stored connection: the one place that maps a platform to its code."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ragstream.connectors.base import Connector
+from ragstream.connectors.folder import FolderConnector
+from ragstream.storage.documents import DocumentStore
+
+__all__ = ["ConnectionRow", "NoConnector", "connector_for", "register_folder"]
+
+
+class NoConnector(Exception):
+    """The connection's platform has no connector in this build (or its config cannot make one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionRow:
+    """The columns of ``connections`` a connector is built from."""
+
+    id: str
+    platform: str
+    name: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+def connector_for(row: ConnectionRow) -> Connector:
+    """The connector that syncs ``row``; raises ``NoConnector`` for platforms not built in."""
+    if row.platform == "folder":
+        path = row.config.get("path")
+        if not isinstance(path, str):
+            raise NoConnector(f"folder connection {row.id} has no config.path")
+        # The stored config (chunking) is kept as it is: None means "do not replace it".
+        return FolderConnector(Path(path), connection_id=row.id)
+    raise NoConnector(f"no connector for platform {row.platform} in this build")
+
+
+async def register_folder(store: DocumentStore, folder: Path, config: Mapping[str, Any] | None = None) -> str:
+    """Register a local folder as a ``folder`` connection and return its id. The stored config gets the
+    folder's path beside ``config`` (chunking), so a run can rebuild the connector from the row alone."""
+    connector = FolderConnector(folder)
+    stored = {**(config or {}), "path": str(connector.root)}
+    await store.ensure_connection(connector.connection_id, connector.platform, connector.name, stored)
+    return connector.connection_id

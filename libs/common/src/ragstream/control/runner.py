@@ -1,0 +1,190 @@
+"""Runs claimed sync runs through the embedded pipeline and writes their progress back.
+
+A run never stays ``syncing`` because of this process: every exception, and a shutdown, ends it
+``failed`` with a reason. The heartbeat only moves when the counters move, so a sync that hangs
+(a platform call that never answers) goes stale and another start can replace it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import asyncpg
+
+from ragstream.connectors.registry import NoConnector, connector_for
+from ragstream.control.runs import RunCounts, RunStatus, SyncRun, SyncRunStore
+from ragstream.degradation import EmbeddingDegraded
+from ragstream.pipeline import EmbeddedPipeline, SyncProgress, SyncReport
+
+__all__ = ["RunOutcome", "SyncRunner", "failure_reason"]
+
+logger = logging.getLogger(__name__)
+
+
+def failure_reason(error: BaseException) -> str:
+    """The reason stored on a failed run: our own errors say it all, others name their type."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    if isinstance(error, NoConnector | EmbeddingDegraded):
+        return str(error)
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+def _counts(progress: SyncProgress) -> RunCounts:
+    return RunCounts(
+        listed=progress.listed,
+        unchanged=progress.unchanged,
+        changed=progress.changed,
+        indexed=progress.indexed,
+        deleted=progress.deleted,
+        failed=progress.failed,
+        chunks=progress.chunks,
+        listing_done=progress.listing_done,
+    )
+
+
+def _eta(progress: SyncProgress) -> float | None:
+    """Seconds left at the current rate; unknown until something has been processed."""
+    rate = progress.rate
+    return max(progress.listed - progress.done, 0) / rate if rate > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """How a run ended: its final row (None if it was failed as stale meanwhile) and the pipeline's
+    report (None when the sync did not complete)."""
+
+    run: SyncRun | None
+    report: SyncReport | None
+
+
+class _Tracker:
+    """The latest progress of one run, shared by the pipeline's callback and the progress writer."""
+
+    def __init__(self) -> None:
+        self.progress = SyncProgress()
+        self.abandoned = False
+
+
+class SyncRunner:
+    """Claims queued runs within ``max_concurrent`` (across replicas) and runs each to its end."""
+
+    def __init__(
+        self,
+        runs: SyncRunStore,
+        pipeline: Callable[[], EmbeddedPipeline],
+        *,
+        max_concurrent: int = 2,
+        progress_interval_s: float = 2.0,
+        poll_interval_s: float = 5.0,
+    ) -> None:
+        self._runs = runs
+        self._pipeline = pipeline
+        self._max_concurrent = max_concurrent
+        self._progress_interval_s = progress_interval_s
+        self._poll_interval_s = poll_interval_s
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[RunOutcome]] = set()
+        # The latest progress per connection: the live view of GET /v1/syncs.
+        self.live: dict[str, SyncProgress] = {}
+
+    def wake(self) -> None:
+        """Look for queued runs now instead of at the next poll (a run was just enqueued)."""
+        self._wake.set()
+
+    async def serve(self) -> None:
+        """Claim and run queued runs until cancelled; running ones are then failed as cancelled."""
+        try:
+            while True:
+                try:
+                    await self.claim_pending()
+                except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+                    logger.warning("claiming sync runs failed, retrying: %s", error)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._poll_interval_s)
+                self._wake.clear()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def claim_pending(self) -> list[asyncio.Task[RunOutcome]]:
+        """Fail stale runs, then start every queued run a free slot allows, each in its own task."""
+        await self._runs.fail_stale()
+        started = []
+        while (run := await self._runs.claim(self._max_concurrent)) is not None:
+            task = asyncio.create_task(self.execute(run))
+            self._tasks.add(task)
+            task.add_done_callback(self._finished)
+            started.append(task)
+        return started
+
+    def _finished(self, task: asyncio.Task[RunOutcome]) -> None:
+        self._tasks.discard(task)
+        self.wake()  # a slot is free
+
+    async def execute(self, run: SyncRun, observe: Callable[[SyncProgress], None] | None = None) -> RunOutcome:
+        """Run one claimed (syncing) run to ready or failed; ``observe`` also sees every update."""
+        tracker = _Tracker()
+
+        def notify(progress: SyncProgress) -> None:
+            tracker.progress = progress
+            self.live[run.connection_id] = progress
+            if observe is not None:
+                observe(progress)
+
+        try:
+            row = await self._runs.connection(run.connection_id)
+            if row is None:
+                raise NoConnector(f"connection {run.connection_id} no longer exists")
+            sync = asyncio.create_task(self._pipeline().sync(connector_for(row), notify))
+            writer = asyncio.create_task(self._write_progress(run.id, tracker, sync))
+            try:
+                report = await sync
+            except asyncio.CancelledError:
+                if not tracker.abandoned:
+                    raise
+                logger.warning("sync run %s was failed as stale elsewhere; stopped", run.id)
+                return RunOutcome(None, None)
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+        except asyncio.CancelledError:
+            await self._finish(run, RunStatus.FAILED, "cancelled: the process stopped", tracker.progress)
+            raise
+        except Exception as error:  # any failure ends the run failed, with its reason, never syncing
+            logger.warning("sync run %s of %s failed", run.id, run.connection_id, exc_info=True)
+            return RunOutcome(await self._finish(run, RunStatus.FAILED, failure_reason(error), tracker.progress), None)
+        return RunOutcome(await self._finish(run, RunStatus.READY, None, report.progress), report)
+
+    async def _finish(
+        self, run: SyncRun, status: RunStatus, reason: str | None, progress: SyncProgress
+    ) -> SyncRun | None:
+        return await self._runs.finish(run.id, status, reason, _counts(progress), progress.rate)
+
+    async def _write_progress(self, run_id: int, tracker: _Tracker, sync: asyncio.Task[SyncReport]) -> None:
+        """Every ``progress_interval_s``: counters, rate and ETA; the heartbeat only if counts moved.
+        Stops the sync when its run is no longer syncing (failed as stale by another start)."""
+        last = RunCounts()
+        while True:
+            await asyncio.sleep(self._progress_interval_s)
+            progress = tracker.progress
+            counts = _counts(progress)
+            try:
+                still_running = await self._runs.progress(
+                    run_id, counts, progress.rate, _eta(progress), moved=counts != last
+                )
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+                # A lost progress write is not worth failing the sync for; the next one catches up.
+                logger.warning("progress of sync run %s not written: %s", run_id, error)
+                continue
+            if not still_running:
+                tracker.abandoned = True
+                sync.cancel()
+                return
+            last = counts

@@ -1,0 +1,387 @@
+"""Sync runs on a real PostgreSQL: one active run per connection, stale runs, the concurrency limit,
+the scheduler's leader election, progress of a real folder sync, failures and the embedding guard."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import pytest
+
+from ragstream.api.http import create_app
+from ragstream.api.syncs import sync_router
+from ragstream.connectors.registry import register_folder
+from ragstream.control.runner import SyncRunner
+from ragstream.control.runs import RunCounts, RunStatus, SyncInProgress, SyncRunStore
+from ragstream.control.scheduler import SCHEDULER_LOCK, Scheduler
+from ragstream.embedding.base import Embedder, EmbeddingError, TextKind, Vectors
+from ragstream.pipeline import EmbeddedPipeline
+from ragstream.retrieval import SearchFilters, SearchRequest
+from ragstream.runtime import Runtime
+from ragstream.stages.embed import EmbedService
+from ragstream.storage.database import connect_pool
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def fresh_dsn(database_url: str) -> AsyncIterator[str]:
+    """A database of its own on the test server: claims and the scheduler see every connection of a
+    database, so these tests must not share one with the others."""
+    name = f"sync_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(database_url)
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+    finally:
+        await admin.close()
+    parts = urlsplit(database_url)
+    yield urlunsplit(parts._replace(path=f"/{name}"))
+    admin = await asyncpg.connect(database_url)
+    try:
+        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def pool(fresh_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    opened = await connect_pool(fresh_dsn)
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+@pytest.fixture
+async def shared(runtime: Runtime) -> AsyncIterator[Runtime]:
+    """The session's runtime; the connections a test adds are deleted after it with their documents,
+    so the corpus statistics of BM25 that other tests rank by stay as they were."""
+    before = [row["id"] for row in await runtime.pool.fetch("SELECT id FROM connections")]
+    yield runtime
+    await runtime.pool.execute("DELETE FROM connections WHERE NOT (id = ANY($1::text[]))", before)
+
+
+async def add_connection(pool: asyncpg.Pool, connection_id: str, platform: str = "folder", **columns: object) -> None:
+    await pool.execute("INSERT INTO connections (id, platform, name) VALUES ($1, $2, $1)", connection_id, platform)
+    for column, value in columns.items():
+        await pool.execute(f"UPDATE connections SET {column} = $2 WHERE id = $1", connection_id, value)
+
+
+async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool) -> None:
+    runs = SyncRunStore(pool)
+    await add_connection(pool, "wiki")
+    first = await runs.start("wiki", "api")
+    with pytest.raises(SyncInProgress) as queued:
+        await runs.start("wiki", "schedule")
+    assert queued.value.run is not None and queued.value.run.id == first.id
+
+    claimed = await runs.claim(2)
+    assert claimed is not None and claimed.status is RunStatus.SYNCING
+    with pytest.raises(SyncInProgress, match="Sync already in progress"):
+        await runs.start("wiki", "api")
+
+    done = await runs.finish(first.id, RunStatus.READY, None, RunCounts(listed=3, indexed=3), 1.5)
+    assert done is not None and done.status is RunStatus.READY
+    assert (await runs.start("wiki", "api")).status is RunStatus.QUEUED
+
+
+async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool) -> None:
+    runs = SyncRunStore(pool, stale_timeout_s=1800)
+    await add_connection(pool, "wiki")
+    old = await runs.start("wiki", "api")
+    assert await runs.claim(2) is not None
+    await pool.execute(
+        "UPDATE sync_runs SET started_at = now() - interval '3 hours', heartbeat_at = now() - interval '2 hours'"
+        " WHERE id = $1",
+        old.id,
+    )
+
+    new = await runs.start("wiki", "api")
+
+    failed = await runs.get(old.id)
+    assert failed is not None and failed.status is RunStatus.FAILED and failed.reason is not None
+    assert failed.reason.startswith("stale: no progress for ") and failed.reason.endswith(" s")
+    assert int(failed.reason.split()[-2]) >= 7200
+    assert new.status is RunStatus.QUEUED and new.id != old.id
+    assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'wiki'") == failed.reason
+    # The stale run's process finishing late does not revive it.
+    assert await runs.finish(old.id, RunStatus.READY, None, RunCounts(), None) is None
+
+
+async def test_runs_over_the_concurrency_limit_stay_queued(pool: asyncpg.Pool) -> None:
+    runs = SyncRunStore(pool)
+    for name in ("a", "b", "c"):
+        await add_connection(pool, name)
+        await runs.start(name, "schedule")
+
+    claimed = [await runs.claim(2), await runs.claim(2), await runs.claim(2)]
+
+    assert [run.connection_id if run else None for run in claimed] == ["a", "b", None]
+    waiting = await runs.latest("c")
+    assert waiting is not None and waiting.status is RunStatus.QUEUED
+    first = claimed[0]
+    assert first is not None
+    await runs.finish(first.id, RunStatus.FAILED, "RuntimeError: boom", RunCounts(), None)
+    third = await runs.claim(2)
+    assert third is not None and third.connection_id == "c"
+    assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'a'") == "RuntimeError: boom"
+
+
+async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_drops(
+    fresh_dsn: str, pool: asyncpg.Pool
+) -> None:
+    await add_connection(pool, "due")
+    await add_connection(pool, "off", rag_enabled=False)
+    await add_connection(pool, "disabled", status="disabled")
+    await add_connection(pool, "manual", schedule_seconds=0)
+    other_pool = await connect_pool(fresh_dsn)
+    leader = Scheduler(fresh_dsn, SyncRunStore(pool))
+    follower = Scheduler(fresh_dsn, SyncRunStore(other_pool))
+    try:
+        enqueued = await leader.step()
+        assert [run.connection_id for run in enqueued] == ["due"]
+        assert enqueued[0].trigger == "schedule"
+        await add_connection(pool, "later")
+        assert await follower.step() == []
+        assert (leader.is_leader, follower.is_leader) == (True, False)
+        assert [run.connection_id for run in await leader.step()] == ["later"]
+
+        await pool.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objid = $1",
+            SCHEDULER_LOCK,
+        )
+        await add_connection(pool, "after")
+        assert [run.connection_id for run in await follower.step()] == ["after"]
+        assert follower.is_leader
+        assert await leader.step() == []
+        assert not leader.is_leader
+
+        await follower.stop()
+        await leader.step()
+        assert leader.is_leader
+    finally:
+        await leader.stop()
+        await follower.stop()
+        await other_pool.close()
+    assert (
+        await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id IN ('off', 'disabled', 'manual')") == 0
+    )
+
+
+class RecordingRunStore(SyncRunStore):
+    """Keeps every progress write, to show the row moves while the sync runs."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        super().__init__(pool)
+        self.writes: list[RunCounts] = []
+        self.statuses: list[str] = []
+        self._wrote = asyncio.Event()
+
+    async def written(self, count: int) -> None:
+        """Return once ``count`` progress writes have happened."""
+        while len(self.writes) < count:
+            self._wrote.clear()
+            await self._wrote.wait()
+
+    async def progress(
+        self, run_id: int, counts: RunCounts, rate: float | None, eta_seconds: float | None, *, moved: bool
+    ) -> bool:
+        written = await super().progress(run_id, counts, rate, eta_seconds, moved=moved)
+        self.statuses.append(await self._pool.fetchval("SELECT status FROM sync_runs WHERE id = $1", run_id))
+        self.writes.append(counts)
+        self._wrote.set()
+        return written
+
+
+async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, corpus: Path) -> None:
+    for index in range(300):
+        (corpus / f"note-{index:03}.md").write_text(f"# Note {index}\n\nSmall note number {index} about ferns.\n")
+    runs = RecordingRunStore(shared.pool)
+    connection_id = await register_folder(shared.store, corpus)
+    run = await runs.start(connection_id, "cli", running=True)
+    assert run.status is RunStatus.SYNCING
+
+    outcome = await SyncRunner(runs, shared.pipeline, progress_interval_s=0.2).execute(run)
+
+    assert outcome.report is not None and outcome.report.ok
+    done = await runs.get(run.id)
+    assert done is not None and done.status is RunStatus.READY and done.reason is None
+    assert done.counts == RunCounts(
+        listed=300, unchanged=0, changed=300, indexed=300, deleted=0, failed=0, chunks=300, listing_done=True
+    )
+    assert done.rate is not None and done.rate > 0 and done.finished_at is not None
+    assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)
+    assert set(runs.statuses) == {"syncing"}
+    assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
+
+
+class HungPipeline:
+    """A sync that never progresses, like a platform call that never answers."""
+
+    async def sync(self, connector: object, on_progress: object = None) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: Runtime, corpus: Path) -> None:
+    runs = RecordingRunStore(shared.pool)
+    connection_id = await register_folder(shared.store, corpus)
+    runner = SyncRunner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
+    hung = await runs.start(connection_id, "api", running=True)
+    task = asyncio.create_task(runner.execute(hung))
+    await runs.written(3)
+    row = await runs.get(hung.id)
+    assert row is not None and row.status is RunStatus.SYNCING
+    assert row.heartbeat_at == row.started_at  # progress rows written, but nothing moved
+
+    await shared.pool.execute("UPDATE sync_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = $1", hung.id)
+    replacement = await runs.start(connection_id, "api", running=True)
+    outcome = await task  # the hung sync noticed that its run was failed as stale, and stopped
+    assert outcome.run is None and outcome.report is None
+    stale = await runs.get(hung.id)
+    assert stale is not None and stale.status is RunStatus.FAILED and (stale.reason or "").startswith("stale: ")
+
+    task = asyncio.create_task(runner.execute(replacement))
+    await runs.written(len(runs.writes) + 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    cancelled = await runs.get(replacement.id)
+    assert cancelled is not None
+    assert (cancelled.status, cancelled.reason) == (RunStatus.FAILED, "cancelled: the process stopped")
+
+
+async def test_a_failing_connector_fails_the_run_with_its_reason(shared: Runtime, tmp_path: Path) -> None:
+    runs = SyncRunStore(shared.pool)
+    runner = SyncRunner(runs, shared.pipeline)
+    platform_id = f"feishu-{uuid.uuid4().hex[:8]}"
+    await shared.store.ensure_connection(platform_id, "feishu", "Team wiki")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    folder_id = await register_folder(shared.store, gone)
+    gone.rmdir()
+
+    for connection_id, reason in [
+        (platform_id, "no connector for platform feishu in this build"),
+        (folder_id, f"NotADirectoryError: {gone} is not a folder"),
+    ]:
+        run = await runs.start(connection_id, "api", running=True)
+        outcome = await runner.execute(run)
+        assert outcome.report is None and outcome.run is not None
+        assert (outcome.run.status, outcome.run.reason) == (RunStatus.FAILED, reason)
+        assert await runs.active(connection_id) is None
+        assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == reason
+
+
+class FlakyEmbedder:
+    """The local model, except that texts without "survivor" come back without a vector, as from a
+    degraded provider (DashScope answering fewer embeddings than texts)."""
+
+    def __init__(self, inner: Embedder) -> None:
+        self._inner = inner
+
+    @property
+    def model_key(self) -> str:
+        return self._inner.model_key
+
+    @property
+    def dimension(self) -> int:
+        return self._inner.dimension
+
+    async def warm_up(self) -> None:
+        await self._inner.warm_up()
+
+    async def embed(self, texts: Sequence[str], kind: TextKind = "document") -> Vectors:
+        if not all("survivor" in text for text in texts):
+            raise EmbeddingError(f"answer has 0 vectors for {len(texts)} texts", retryable=True, provider="fake")
+        return await self._inner.embed(texts, kind)
+
+    async def aclose(self) -> None:
+        """The inner embedder belongs to the runtime."""
+
+
+async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(shared: Runtime, corpus: Path) -> None:
+    for index in range(36):
+        (corpus / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nThe heronwick ledger entry {index} is filed.\n")
+    runs = SyncRunStore(shared.pool)
+    connection_id = await register_folder(shared.store, corpus)
+    first = await SyncRunner(runs, shared.pipeline).execute(await runs.start(connection_id, "cli", running=True))
+    assert first.run is not None and first.run.status is RunStatus.READY
+
+    async def snapshot() -> tuple[list[tuple[str, str, str]], list[str]]:
+        rows = await shared.pool.fetch(
+            "SELECT d.source, d.status, c.id FROM documents d LEFT JOIN chunks c ON c.document_id = d.id"
+            " WHERE d.connection_id = $1 AND d.source LIKE 'doc-%' ORDER BY 1, 3",
+            connection_id,
+        )
+        response = await shared.retriever.search(
+            SearchRequest(query="heronwick ledger entry", filters=SearchFilters(connection_ids=[connection_id]))
+        )
+        return [(row["source"], row["status"], row["id"]) for row in rows], [r.chunk_id for r in response.results]
+
+    before = await snapshot()
+    for index in range(35):
+        (corpus / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nThe heronwick ledger entry {index} is revised.\n")
+    (corpus / "doc-35.md").unlink()
+    for index in range(4):
+        (corpus / f"a-survivor-{index}.md").write_text(f"# Survivor {index}\n\nA survivor note {index}.\n")
+    flaky = EmbeddedPipeline(
+        shared.store,
+        shared.chunker,
+        EmbedService(FlakyEmbedder(shared.embedder)),
+        shared.indexer,
+        max_document_bytes=shared.settings.max_document_bytes,
+    )
+    run = await runs.start(connection_id, "api", running=True)
+
+    outcome = await SyncRunner(runs, lambda: flaky).execute(run)
+
+    assert outcome.report is None and outcome.run is not None
+    failed = outcome.run
+    assert failed.status is RunStatus.FAILED and failed.reason is not None
+    assert failed.reason.startswith("embedding degraded: 8") or failed.reason.startswith("embedding degraded: 9")
+    assert "% of chunks" in failed.reason and "without a vector" in failed.reason
+    assert failed.counts.failed < 35  # stopped early instead of marching through every document
+    assert await snapshot() == before  # same chunk ids, doc-35 not deleted, same search results
+    assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == (
+        failed.reason
+    )
+
+
+async def ready() -> bool:
+    return True
+
+
+async def test_the_sync_routes(shared: Runtime, corpus: Path) -> None:
+    (corpus / "a.md").write_text("# A\n\nText.\n")
+    connection_id = await register_folder(shared.store, corpus)
+    runs = SyncRunStore(shared.pool)
+    woken: list[bool] = []
+    app = create_app(
+        lambda: shared.retriever, ready=ready, routers=[sync_router(lambda: runs, lambda: woken.append(True))]
+    )
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        never = await client.get(f"/v1/connections/{connection_id}/status")
+        assert never.status_code == 200 and never.json()["status"] is None
+        started = await client.post(f"/v1/connections/{connection_id}/sync")
+        assert started.status_code == 202, started.text
+        assert (started.json()["status"], started.json()["trigger"]) == ("Queued", "api")
+        assert woken == [True]
+        again = await client.post(f"/v1/connections/{connection_id}/sync")
+        assert (again.status_code, again.json()) == (409, {"detail": "Sync already in progress"})
+        unknown = await client.post("/v1/connections/no-such-connection/sync")
+        assert unknown.status_code == 404
+
+        await runs.finish(
+            started.json()["id"], RunStatus.FAILED, "RuntimeError: boom", RunCounts(listed=1, failed=1), 0.5
+        )
+        status = (await client.get(f"/v1/connections/{connection_id}/status")).json()
+        assert (status["status"], status["reason"]) == ("Failed", "RuntimeError: boom")
+        assert (status["progress"]["listed"], status["progress"]["failed"], status["progress"]["rate"]) == (1, 1, 0.5)
+        listed = (await client.get(f"/v1/connections/{connection_id}/syncs")).json()
+        assert [run["id"] for run in listed] == [started.json()["id"]]
