@@ -110,7 +110,6 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
         replayed = httpx.post(f"{base}/v1/replays", json={}, timeout=30)
         assert replayed.status_code == 200 and replayed.json()["replayed"] == 0, replayed.text
         assert httpx.post(f"{base}/v1/replays", json={"source": "dead-letter"}, timeout=30).status_code == 422
-        assert httpx.get(f"{base}/v1/connections", timeout=5).status_code == 200
         connection = FolderConnector(REPO / "examples" / "knowledge-base").connection_id
         # The run ends just after its last document is indexed: it may still be finishing.
         while time.monotonic() < deadline:
@@ -120,6 +119,28 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
             time.sleep(0.2)
         assert (status["status"], status["progress"]["trigger"]) == ("Ready", "cli"), status
         assert status["progress"]["indexed"] == status["progress"]["listed"] > 0
+
+        # A connection created over the API starts its first full sync by itself.
+        notes = data_dir / "notes"
+        notes.mkdir()
+        notes.chmod(0o755)
+        (notes / "kite.md").write_text("# Kites\n\nThe zephyrkite flies at dawn.\n")
+        created = httpx.post(
+            f"{base}/v1/connections",
+            json={"platform": "folder", "name": "notes", "config": {"path": str(notes)}},
+            timeout=30,
+        )
+        assert created.status_code == 201, created.text
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{base}/v1/connections/{created.json()['id']}/status", timeout=5).json()
+            if status["status"] in ("Ready", "Failed"):
+                break
+            time.sleep(0.2)
+        assert (status["status"], status["progress"]["trigger"], status["progress"]["indexed"]) == (
+            "Ready",
+            "create",
+            1,
+        ), status
         assert (data_dir / "postgres" / "PG_VERSION").exists()
     finally:
         process.terminate()
