@@ -12,6 +12,7 @@ from fastapi import HTTPException
 
 from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
+from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.credentials import CredentialCipher
 from ragstream.pipeline import SyncProgress, SyncReport
@@ -20,6 +21,7 @@ from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["serve"]
 
@@ -58,6 +60,7 @@ async def serve(
         )
 
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
+    reindexer = runtime.reindexer()
     app = create_app(
         lambda: runtime.retriever,
         ready=ready,
@@ -66,6 +69,7 @@ async def serve(
         routers=[
             connections_router(ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))),
             replay_router(replay),
+            reindex_router(reindexer, SpaceStore(runtime.pool)),
         ],
         title="ragstream",
     )
@@ -77,3 +81,4 @@ async def serve(
         syncing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await syncing
+        await reindexer.aclose()

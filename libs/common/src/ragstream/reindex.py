@@ -82,6 +82,12 @@ class Reindexer:
             await target.aclose()
             task.result()  # raises what stopped it: ReindexBusy, or a ValueError about the spec
 
+    async def aclose(self) -> None:
+        """Stop a background re-index (it is marked interrupted and resumes when started again)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
     async def run(
         self,
         target: Embedder,
