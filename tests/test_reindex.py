@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
@@ -19,11 +20,14 @@ from ragstream.api.http import create_app
 from ragstream.api.reindex import reindex_router
 from ragstream.connectors.folder import FolderConnector
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
+from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.reindex import Reindexer, ReindexProgress
 from ragstream.retrieval import SearchRequest, SearchResponse
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import EmbeddingSettings, Settings
 from ragstream.stages.embed import embedding_input
+from ragstream.stages.index import MixedEmbeddingModelsError
+from ragstream.storage.documents import document_id
 from ragstream.storage.spaces import SpaceStore
 
 if TYPE_CHECKING:
@@ -150,12 +154,17 @@ async def test_searches_during_a_reindex_never_fail_nor_mix_models(
     reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
     task = asyncio.create_task(reindexer.run(target, dashscope_spec(fake_dashscope), progress.append))
     seen: list[tuple[str, str | None, list[tuple[str, int | None]]]] = []
-    after_switch = 0
-    while after_switch < len(QUERIES):
-        query = QUERIES[len(seen) % len(QUERIES)]
-        response = await search(runtime, query)  # never raises
-        seen.append((query, response.embedding_space, answer(response)))
-        after_switch += task.done()
+
+    async def keep_searching(offset: int) -> None:
+        """Until a few searches after the switch; several loops at once, so some meet the table drop."""
+        after_switch = 0
+        while after_switch < len(QUERIES):
+            query = QUERIES[(len(seen) + offset) % len(QUERIES)]
+            response = await search(runtime, query)  # never raises
+            seen.append((query, response.embedding_space, answer(response)))
+            after_switch += task.done()
+
+    await asyncio.gather(*(keep_searching(offset) for offset in range(3)))
     result = await task
     assert result.status == "switched", result.error
     new_key = target.model_key
@@ -217,9 +226,14 @@ async def test_an_interrupted_reindex_resumes_without_embedding_done_chunks_agai
     await ingest(runtime, tmp_path / "docs", TOPICS)
     first = HashEmbedder()
     first.pause_on_call = 3  # two batches stored, the third held: then cancelled
-    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2, progress_interval_s=0.1)
     task = asyncio.create_task(reindexer.run(first, {"provider": "local"}))
     await first.paused.wait()
+    await asyncio.sleep(0.3)  # the embedder is stuck, yet progress is written
+    running = await SpaceStore(runtime.pool).latest_run()
+    assert running is not None and running.status == "running"
+    assert (running.chunks_total, running.chunks_embedded) == (len(TOPICS), 4)
+    assert running.rate and running.eta_seconds and (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -284,3 +298,39 @@ async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
         found = await client.post("/v1/search", json={"query": QUERIES[0]})
         assert found.json()["embedding_space"] == "dashscope-text-embedding-v3-256"
     await reindexer.aclose()
+
+
+async def test_a_document_whose_batches_came_from_two_models_is_refused_then_replayed(runtime: Runtime) -> None:
+    """A switch between two batches of one document: its vectors are not of one space."""
+    connection = f"mixed-{uuid.uuid4().hex[:8]}"
+    await runtime.store.ensure_connection(connection, "folder", connection)
+    header = DocumentHeader(
+        document_id=document_id(connection, "two.md"),
+        connection_id=connection,
+        external_id="two.md",
+        version=await runtime.store.next_version(),
+        content_hash="h",
+        title="two",
+        source="two.md",
+        media_type="text/markdown",
+    )
+    vectors = [hash_vector(f"part {i}", runtime.embedder.dimension)[None, :] for i in range(2)]
+
+    def batch(index: int, model_key: str) -> ChunksEmbedded:
+        chunk = ChunkPayload(ordinal=index, heading="", text=f"part {index}")
+        return ChunksEmbedded(
+            header=header,
+            batch_index=index,
+            batch_count=2,
+            chunk_count=2,
+            chunks=[chunk],
+            model_key=model_key,
+            dimension=runtime.embedder.dimension,
+            vectors=pack_vectors(vectors[index]),
+        )
+
+    assert await runtime.indexer.run(batch(0, "retired-model-512")) is None
+    with pytest.raises(MixedEmbeddingModelsError):
+        await runtime.indexer.run(batch(1, runtime.embedder.model_key))
+    # The replay embeds every batch again with the active model: the parked old batch is replaced.
+    assert await runtime.indexer.run(batch(0, runtime.embedder.model_key)) is not None

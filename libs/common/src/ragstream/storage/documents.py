@@ -123,13 +123,17 @@ class DocumentStore:
         return bytes(content) if content is not None else None
 
     async def add_pending_batch(self, message: ChunksEmbedded) -> list[ChunksEmbedded] | None:
-        """Park one batch of a multi-batch document; return all batches once the last has arrived."""
+        """Park one batch of a multi-batch document; return all batches once the last has arrived.
+
+        A batch arriving again replaces the parked one: a replay after a re-index switched models
+        mid-document re-embeds every batch with the new model, and none of the old may stay."""
         header = message.header
         async with self._pool.acquire() as connection, connection.transaction():
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
             await connection.execute(
                 "INSERT INTO pending_batches (document_id, version, batch_index, batch_count, payload) "
-                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (document_id, version, batch_index)"
+                " DO UPDATE SET batch_count = EXCLUDED.batch_count, payload = EXCLUDED.payload",
                 header.document_id,
                 header.version,
                 message.batch_index,
