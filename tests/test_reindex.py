@@ -20,14 +20,17 @@ from ragstream.api.http import create_app
 from ragstream.api.reindex import reindex_router
 from ragstream.connectors.folder import FolderConnector
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
+from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.reindex import Reindexer, ReindexProgress
-from ragstream.retrieval import SearchRequest, SearchResponse
+from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import EmbeddingSettings, Settings
 from ragstream.stages.embed import embedding_input
 from ragstream.stages.index import MixedEmbeddingModelsError
+from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents import document_id
+from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import SpaceStore
 
 if TYPE_CHECKING:
@@ -148,6 +151,12 @@ async def test_searches_during_a_reindex_never_fail_nor_mix_models(
     runtime = runtime_db
     await ingest(runtime, tmp_path / "docs", TOPICS)
     before = {query: answer(await search(runtime, query)) for query in QUERIES}
+    # Another process's retriever: it cached the old space and builds the new model from its spec.
+    elsewhere_spaces = ActiveSpace(SpaceStore(runtime.pool), runtime.settings.embedding, runtime.embedder, ttl_s=3600)
+    elsewhere = HybridRetriever(
+        SearchStore(runtime.pool), runtime.embedder, CitationStore(runtime.pool), spaces=elsewhere_spaces
+    )
+    assert (await elsewhere.search(SearchRequest(query=QUERIES[0], top_k=5))).embedding_space == LOCAL_KEY
     target = runtime.spaces.build(dashscope_spec(fake_dashscope))
     fake_dashscope.delay_s = 0.2  # a re-index that takes a while: searches run all through it
     progress: list[ReindexProgress] = []
@@ -175,6 +184,10 @@ async def test_searches_during_a_reindex_never_fail_nor_mix_models(
     assert {space for _, space, _ in seen} == {LOCAL_KEY, new_key}
     assert sum(space == LOCAL_KEY for _, space, _ in seen) > len(QUERIES)  # searched while it built
     assert (await search(runtime, QUERIES[0])).embedding_space == new_key
+    # Its cached table is gone: the search goes to the new space whole, query embedded by the new model.
+    response = await elsewhere.search(SearchRequest(query=QUERIES[0], top_k=5))
+    assert response.embedding_space == new_key and answer(response) == after[QUERIES[0]]
+    await elsewhere_spaces.aclose()
     assert await spaces(runtime) == {LOCAL_KEY: ("retired", False), new_key: ("active", True)}
     # The re-indexed vectors are the ones ingest would have produced with the new model.
     row = await runtime.pool.fetchrow(
