@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
@@ -311,6 +314,34 @@ async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
         found = await client.post("/v1/search", json={"query": QUERIES[0]})
         assert found.json()["embedding_space"] == "dashscope-text-embedding-v3-256"
     await reindexer.aclose()
+
+
+async def test_the_command_shows_progress_and_switches(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    assert runtime.settings.database_url is not None
+    env = {
+        **os.environ,
+        "DATABASE_URL": runtime.settings.database_url,
+        "RAGSTREAM_EMBEDDER_API_KEY": fake_dashscope.api_key,
+        "COLUMNS": "160",
+    }
+    args = ["--provider", "dashscope", "--model", "text-embedding-v3", "--dimension", "256"]
+    command = [sys.executable, "-m", "ragstream.cli", "reindex", *args, "--base-url", fake_dashscope.base_url]
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+    done = await asyncio.to_thread(run)
+    assert done.returncode == 0, done.stderr
+    assert f"{len(TOPICS)}/{len(TOPICS)}" in done.stderr and "chunks/s" in done.stderr and "ETA" in done.stderr
+    assert "dashscope-text-embedding-v3-256" in done.stderr
+    # The process that was searching all along now searches the new space.
+    assert (await search(runtime, QUERIES[0])).embedding_space == "dashscope-text-embedding-v3-256"
+    again = await asyncio.to_thread(run)
+    assert again.returncode == 1 and "already the active" in again.stderr
 
 
 async def test_a_document_whose_batches_came_from_two_models_is_refused_then_replayed(runtime: Runtime) -> None:
