@@ -295,7 +295,7 @@ async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
     app = create_app(
         lambda: runtime.retriever, ready=ready, routers=[reindex_router(reindexer, SpaceStore(runtime.pool))]
     )
-    fake_dashscope.delay_s = 0.2
+    fake_dashscope.delay_s = 0.5  # still running when the second POST comes
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         assert (await client.get("/v1/reindex")).status_code == 404
         started = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
