@@ -34,7 +34,7 @@ from ragstream.stages.index import MixedEmbeddingModelsError
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents import document_id
 from ragstream.storage.search import SearchStore
-from ragstream.storage.spaces import SpaceStore
+from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -140,6 +140,21 @@ def answer(response: SearchResponse) -> list[tuple[str, int | None]]:
     return [(result.chunk_id, result.vector_rank) for result in response.results]
 
 
+async def new_document(runtime: Runtime, name: str) -> DocumentHeader:
+    connection = f"direct-{uuid.uuid4().hex[:8]}"
+    await runtime.store.ensure_connection(connection, "folder", connection)
+    return DocumentHeader(
+        document_id=document_id(connection, name),
+        connection_id=connection,
+        external_id=name,
+        version=await runtime.store.next_version(),
+        content_hash="h",
+        title=name,
+        source=name,
+        media_type="text/markdown",
+    )
+
+
 async def spaces(runtime: Runtime) -> dict[str, tuple[str, bool]]:
     """Status of each space and whether its table exists."""
     rows = await runtime.pool.fetch(
@@ -228,6 +243,13 @@ async def test_documents_ingested_during_a_reindex_are_searchable_after_the_swit
     store = SpaceStore(runtime.pool)
     active = await store.active()
     assert active is not None and await store.count_vectors(active.table) == await store.count_chunks()
+    # Vectors of the old model committing after the switch (embedded just before it) are refused:
+    # the document fails, retryably, instead of landing in a table nobody searches.
+    chunk = ChunkPayload(ordinal=0, heading="", text="late")
+    with pytest.raises(RetiredSpaceError):
+        await runtime.store.commit_document(
+            await new_document(runtime, "late.md"), [chunk], hash_vector("late", 512)[None, :], LOCAL_KEY
+        )
     # Ingest after the switch embeds with the new model.
     await ingest(runtime, tmp_path / "later", {"later.md": "# Quokka\n\nQuokka habitats on Rottnest island."})
     embedded = len(target.texts)
@@ -346,18 +368,7 @@ async def test_the_command_shows_progress_and_switches(
 
 async def test_a_document_whose_batches_came_from_two_models_is_refused_then_replayed(runtime: Runtime) -> None:
     """A switch between two batches of one document: its vectors are not of one space."""
-    connection = f"mixed-{uuid.uuid4().hex[:8]}"
-    await runtime.store.ensure_connection(connection, "folder", connection)
-    header = DocumentHeader(
-        document_id=document_id(connection, "two.md"),
-        connection_id=connection,
-        external_id="two.md",
-        version=await runtime.store.next_version(),
-        content_hash="h",
-        title="two",
-        source="two.md",
-        media_type="text/markdown",
-    )
+    header = await new_document(runtime, "two.md")
     vectors = [hash_vector(f"part {i}", runtime.embedder.dimension)[None, :] for i in range(2)]
 
     def batch(index: int, model_key: str) -> ChunksEmbedded:
