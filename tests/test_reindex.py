@@ -234,6 +234,8 @@ async def test_documents_ingested_during_a_reindex_are_searchable_after_the_swit
     await target.paused.wait()
     late = {"late.md": "# Zephyr\n\nThe zephyr dashboard shows quarterly widget sales."}
     await ingest(runtime, tmp_path / "late", late)  # committed with the active (local) model
+    # An edit replaces a chunk the backfill may have embedded already: its vector goes with it.
+    await ingest(runtime, tmp_path / "docs", {"keys.md": "# Keys\n\nKeys of the aardvark vault never expire."})
     assert (await search(runtime, "zephyr widget sales")).embedding_space == LOCAL_KEY
     target.resume.set()
     assert (await task).status == "switched"
@@ -243,6 +245,7 @@ async def test_documents_ingested_during_a_reindex_are_searchable_after_the_swit
     store = SpaceStore(runtime.pool)
     active = await store.active()
     assert active is not None and await store.count_vectors(active.table) == await store.count_chunks()
+    assert (await search(runtime, "aardvark vault keys")).results[0].text.endswith("never expire.")
     # Vectors of the old model committing after the switch (embedded just before it) are refused:
     # the document fails, retryably, instead of landing in a table nobody searches.
     chunk = ChunkPayload(ordinal=0, heading="", text="late")

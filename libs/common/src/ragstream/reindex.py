@@ -96,7 +96,9 @@ class Reindexer:
         on_start: Callable[[], None] | None = None,
     ) -> ReindexProgress:
         """Re-index into ``target``'s space and switch to it; the returned progress says whether it
-        switched or failed (and why). ``target`` is handed to the active space once switched."""
+        switched or failed (and why). Once the run has started, ``target`` is handed to the active
+        space if it switched and closed otherwise; raising before (``ReindexBusy``, a ``ValueError``
+        when it is the active model already), it stays the caller's."""
         notify = on_progress or (lambda _: None)
         async with self._store.exclusive():
             space = await self._store.prepare_build(target.model_key, target.dimension, spec)
@@ -115,7 +117,7 @@ class Reindexer:
             writer = asyncio.create_task(self._write_progress(run_id, progress))
             try:
                 await self._backfill(target, space.table, progress, notify)
-                _, embedded = await self._store.switch(
+                embedded = await self._store.switch(
                     target.model_key, lambda chunks: self._embed(target, chunks), self._batch
                 )
                 progress.chunks_embedded += embedded
@@ -137,8 +139,8 @@ class Reindexer:
                 )
                 await self._store.finish_run(run_id, progress.status, progress.error)
                 notify(progress)
-        if progress.status != "switched":
-            await target.aclose()
+                if progress.status != "switched":
+                    await target.aclose()
         return progress
 
     async def _backfill(

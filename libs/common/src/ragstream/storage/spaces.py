@@ -211,14 +211,16 @@ class SpaceStore:
     @staticmethod
     async def _store(connection: asyncpg.Connection, table: str, ids: Sequence[str], vectors: Vectors) -> None:
         # A chunk replaced by a newer version while it was embedded is gone: skip it, and try again
-        # when its deletion committed between the EXISTS check and the foreign-key check.
+        # when its deletion committed between the EXISTS check and the foreign-key check (a savepoint
+        # inside the switch's transaction, which the error would otherwise abort).
         while True:
             try:
-                await connection.executemany(
-                    f"INSERT INTO {table} (chunk_id, embedding) SELECT $1, $2"
-                    " WHERE EXISTS (SELECT 1 FROM chunks WHERE id = $1) ON CONFLICT (chunk_id) DO NOTHING",
-                    list(zip(ids, list(vectors), strict=True)),
-                )
+                async with connection.transaction():
+                    await connection.executemany(
+                        f"INSERT INTO {table} (chunk_id, embedding) SELECT $1, $2"
+                        " WHERE EXISTS (SELECT 1 FROM chunks WHERE id = $1) ON CONFLICT (chunk_id) DO NOTHING",
+                        list(zip(ids, list(vectors), strict=True)),
+                    )
                 return
             except asyncpg.ForeignKeyViolationError:
                 continue
@@ -227,11 +229,9 @@ class SpaceStore:
         async with self._pool.acquire() as connection:
             await self._store(connection, table, ids, vectors)
 
-    async def switch(
-        self, target_key: str, embed: Callable[[list[ChunkText]], Awaitable[Vectors]], batch: int
-    ) -> tuple[str | None, int]:
+    async def switch(self, target_key: str, embed: Callable[[list[ChunkText]], Awaitable[Vectors]], batch: int) -> int:
         """Backfill what is still missing and make ``target_key`` active, in one transaction; the old
-        active space is retired and its table dropped. Returns the old key and the chunks embedded here.
+        active space is retired and its table dropped. Returns how many chunks were embedded here.
 
         The active and building rows are locked FOR UPDATE first: commits (``lock_space``) wait, so
         every chunk committed before the switch has a target vector and none commits to the old
@@ -257,7 +257,7 @@ class SpaceStore:
                 )
                 await connection.execute(f"DROP TABLE {old.table}")
             await connection.execute("UPDATE embedding_spaces SET status = 'active' WHERE model_key = $1", target_key)
-        return (old.model_key if old is not None else None), embedded
+        return embedded
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
