@@ -21,6 +21,8 @@ __all__ = [
     "ReindexBusy",
     "ReindexRun",
     "RetiredSpaceError",
+    "RunStatus",
+    "SpaceStatus",
     "SpaceStore",
     "lock_space",
 ]
