@@ -24,6 +24,7 @@ from ragstream.control.runs import ConnectionOverview, SyncInProgress, SyncRunSt
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.pipeline import SyncProgress, SyncReport
+from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_runtime, resolve_database
 from ragstream.settings import Settings
@@ -240,6 +241,53 @@ def replay(
                 )
             console.print(table)
         return not failures
+
+    raise typer.Exit(0 if _run(run) else 1)
+
+
+@app.command()
+def reindex(
+    provider: Annotated[Literal["local", "dashscope", "openai"], typer.Option("--provider", help="Target provider")],
+    model: Annotated[str | None, typer.Option("--model", help="Model name (provider default)")] = None,
+    dimension: Annotated[int | None, typer.Option("--dimension", min=1, help="Dimension (model default)")] = None,
+    base_url: Annotated[str | None, typer.Option("--base-url", help="Endpoint (provider default)")] = None,
+) -> None:
+    """Re-embed every chunk with another model while search goes on, then switch to it. Interrupted, it
+    resumes where it stopped when run again. The key is RAGSTREAM_EMBEDDER_API_KEY. Exit 1 if it failed."""
+    spec = {"provider": provider, "model": model, "dimension": dimension, "base_url": base_url}
+
+    async def run(runtime: Runtime) -> bool:
+        try:
+            target = runtime.spaces.build(spec)
+        except ValueError as error:
+            console.print(f"[red]{error}[/]", highlight=False)
+            return False
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]:.1f} chunks/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, transient=False) as bar:
+            task = bar.add_task(f"re-index to {target.model_key}", total=None, rate=0.0)
+
+            def show(progress: ReindexProgress) -> None:
+                bar.update(task, total=progress.chunks_total, completed=progress.chunks_embedded, rate=progress.rate)
+
+            try:
+                result = await runtime.reindexer().run(target, spec, show)
+            except (ReindexBusy, ValueError) as error:
+                await target.aclose()
+                console.print(f"[red]{error}[/]", highlight=False)
+                return False
+        if result.status == "switched":
+            console.print(f"search now uses [bold]{result.target_key}[/]; {result.source_key} was dropped")
+        else:
+            console.print(f"[red]re-index failed, still searching {result.source_key}: {result.error}[/]")
+        return result.status == "switched"
 
     raise typer.Exit(0 if _run(run) else 1)
 

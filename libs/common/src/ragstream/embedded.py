@@ -12,6 +12,7 @@ from fastapi import HTTPException
 
 from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
+from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
@@ -24,6 +25,7 @@ from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["serve"]
 
@@ -72,6 +74,7 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
 
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings))
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
+    reindexer = runtime.reindexer()
     app = create_app(
         lambda: runtime.retriever,
         ready=ready,
@@ -81,6 +84,7 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
             connections_router(connections, on_created=first_sync("create"), on_rag_enabled=first_sync("api")),
             sync_router(lambda: runs, runner.wake),
             replay_router(replay),
+            reindex_router(reindexer, SpaceStore(runtime.pool)),
         ],
         title="ragstream",
     )
@@ -94,3 +98,4 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        await reindexer.aclose()

@@ -11,8 +11,10 @@ import asyncpg
 from ragstream.chunking import MarkdownChunking
 from ragstream.embedding import Embedder, create_embedder
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
+from ragstream.embedding.spaces import ActiveSpace
 from ragstream.parsing import Parser
 from ragstream.pipeline import EmbeddedPipeline
+from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
 from ragstream.retrieval.rerank import DashScopeReranker, Reranker
@@ -25,13 +27,17 @@ from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.search import SearchStore
+from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["Runtime", "create_rephraser", "create_reranker", "open_runtime", "resolve_database"]
 
 
 @dataclass(frozen=True, slots=True)
 class Runtime:
-    """The per-process singletons: pool, stores, embedder and the stage services built on them."""
+    """The per-process singletons: pool, stores, embedder and the stage services built on them.
+
+    ``embedder`` is the configured model (the chunkers count its tokens); ``spaces`` gives the model
+    that embeds for search and ingest, which a re-index changes."""
 
     settings: Settings
     # The pool's DSN, for what must hold a connection of its own (the scheduler's leader lock).
@@ -39,6 +45,7 @@ class Runtime:
     pool: asyncpg.Pool
     store: DocumentStore
     embedder: Embedder
+    spaces: ActiveSpace
     chunker: ChunkService
     embed: EmbedService
     indexer: IndexService
@@ -48,6 +55,9 @@ class Runtime:
         return EmbeddedPipeline(
             self.store, self.chunker, self.embed, self.indexer, max_document_bytes=self.settings.max_document_bytes
         )
+
+    def reindexer(self) -> Reindexer:
+        return Reindexer(SpaceStore(self.pool), self.spaces)
 
 
 @asynccontextmanager
@@ -88,9 +98,11 @@ def create_rephraser(settings: Settings) -> QueryRephraser | None:
 async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
     pool = await connect_pool(dsn)
     embedder = create_embedder(settings.embedding)
+    spaces = ActiveSpace(SpaceStore(pool), settings.embedding, embedder)
     reranker: Reranker | None = None
     rephraser: QueryRephraser | None = None
     try:
+        await spaces.activate()
         reranker = create_reranker(settings)
         rephraser = create_rephraser(settings)
         store = DocumentStore(pool)
@@ -101,6 +113,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
             pool=pool,
             store=store,
             embedder=embedder,
+            spaces=spaces,
             chunker=ChunkService(
                 store,
                 Parser(settings.max_document_bytes),
@@ -109,7 +122,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 MarkdownChunking(size=chunking.size, overlap=chunking.overlap),
                 chunking.batch_chunks,
             ),
-            embed=EmbedService(embedder),
+            embed=EmbedService(embedder, spaces),
             indexer=IndexService(store),
             retriever=HybridRetriever(
                 SearchStore(
@@ -128,11 +141,13 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 ),
                 reranker=reranker,
                 rephraser=rephraser,
+                spaces=spaces,
             ),
         )
     finally:
         for client in (rephraser, reranker):
             if client is not None:
                 await client.aclose()
+        await spaces.aclose()
         await embedder.aclose()
         await pool.close()

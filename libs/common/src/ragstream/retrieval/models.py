@@ -80,4 +80,8 @@ class SearchResponse(BaseModel):
     rewritten_query: Annotated[str | None, Field(title="Standalone question the rephraser produced")] = None
     results: list[SearchResult]
     reranked: Annotated[bool, Field(title="Whether a reranker ordered the results")] = False
+    embedding_space: Annotated[
+        str | None,
+        Field(title="Embedding space of the vector leg", description="Its model key; none when nothing is embedded."),
+    ] = None
     took_ms: float

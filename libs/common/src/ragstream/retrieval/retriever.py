@@ -7,7 +7,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+import asyncpg
+
 from ragstream.embedding.base import Embedder
+from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
 from ragstream.retrieval.fusion import RRF_K, reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
@@ -44,8 +47,12 @@ class HybridRetriever:
         settings: RetrievalSettings | None = None,
         reranker: Reranker | None = None,
         rephraser: QueryRephraser | None = None,
+        spaces: ActiveSpace | None = None,
     ) -> None:
+        """With ``spaces``, queries are embedded by the active space's model (it changes when a
+        re-index switches); without, always by ``embedder`` in its own space."""
         self._store = store
+        self._spaces = spaces
         self._embedder = embedder
         self._citations = citations
         self._settings = settings or RetrievalSettings()
@@ -58,7 +65,7 @@ class HybridRetriever:
         # Both legs put their own two parameters first, so one clause serves both.
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
-        vector_ids, keyword_ids = await asyncio.gather(
+        (vector_ids, space), keyword_ids = await asyncio.gather(
             self._vector_leg(query, scope), self._store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
         )
         fused = reciprocal_rank_fusion(
@@ -77,6 +84,7 @@ class HybridRetriever:
             rewritten_query=query if query != request.query else None,
             results=results,
             reranked=reranked,
+            embedding_space=space,
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
@@ -90,11 +98,26 @@ class HybridRetriever:
             logger.warning("query rephrasing failed, searching the raw query: %s", error)
             return request.query
 
-    async def _vector_leg(self, query: str, scope: Scope) -> list[str]:
-        table = await self._store.embedding_table(self._embedder.model_key)
-        if table is None:
-            return []
-        vector = (await self._embedder.embed([query], kind="query"))[0]
+    async def _vector_leg(self, query: str, scope: Scope) -> tuple[list[str], str | None]:
+        """Ids nearest to the query and the space that served them: one model for query and table."""
+        if self._spaces is None:
+            table = await self._store.embedding_table(self._embedder.model_key)
+            if table is None:
+                return [], None
+            vector = (await self._embedder.embed([query], kind="query"))[0]
+            return await self._store.vector_leg(table, vector, self._settings.leg_size, scope), self._embedder.model_key
+        space = await self._spaces.current()
+        try:
+            return await self._space_leg(query, scope, space.table, space.embedder), space.model_key
+        except asyncpg.UndefinedTableError:
+            # A re-index switched and dropped this table after the space was read: search the new
+            # active space instead, embedding the query again with its model.
+            self._spaces.invalidate()
+            space = await self._spaces.current()
+            return await self._space_leg(query, scope, space.table, space.embedder), space.model_key
+
+    async def _space_leg(self, query: str, scope: Scope, table: str, embedder: Embedder) -> list[str]:
+        vector = (await embedder.embed([query], kind="query"))[0]
         return await self._store.vector_leg(table, vector, self._settings.leg_size, scope)
 
     async def _rerank(

@@ -3,31 +3,41 @@
 from __future__ import annotations
 
 from ragstream.embedding.base import Embedder
+from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentChunked, DocumentHeader, pack_vectors
 
-__all__ = ["EmbedService", "embedding_text"]
+__all__ = ["EmbedService", "embedding_input", "embedding_text"]
 
 
 def embedding_text(header: DocumentHeader, chunk: ChunkPayload) -> str:
     """The title and heading path go in with the text: a chunk that says "run the installer" is only
     findable for "install on Linux" if the model sees the heading it sits under."""
-    context = " > ".join(part for part in (header.title, chunk.heading) if part)
-    return f"{context}\n{chunk.text}" if context else chunk.text
+    return embedding_input(header.title, chunk.heading, chunk.text)
+
+
+def embedding_input(title: str, heading: str, text: str) -> str:
+    """``embedding_text`` from stored columns: a re-index embeds exactly what ingest did."""
+    context = " > ".join(part for part in (title, heading) if part)
+    return f"{context}\n{text}" if context else text
 
 
 class EmbedService:
-    def __init__(self, embedder: Embedder) -> None:
+    def __init__(self, embedder: Embedder, spaces: ActiveSpace | None = None) -> None:
+        """With ``spaces``, each batch is embedded by the active space's model (it changes when a
+        re-index switches); without, always by ``embedder``."""
         self._embedder = embedder
+        self._spaces = spaces
 
     async def run(self, message: DocumentChunked) -> ChunksEmbedded:
-        vectors = await self._embedder.embed([embedding_text(message.header, chunk) for chunk in message.chunks])
+        embedder = (await self._spaces.current()).embedder if self._spaces is not None else self._embedder
+        vectors = await embedder.embed([embedding_text(message.header, chunk) for chunk in message.chunks])
         return ChunksEmbedded(
             header=message.header,
             batch_index=message.batch_index,
             batch_count=message.batch_count,
             chunk_count=message.chunk_count,
             chunks=message.chunks,
-            model_key=self._embedder.model_key,
-            dimension=self._embedder.dimension,
+            model_key=embedder.model_key,
+            dimension=embedder.dimension,
             vectors=pack_vectors(vectors),
         )

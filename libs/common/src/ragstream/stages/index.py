@@ -7,7 +7,11 @@ import numpy as np
 from ragstream.messages import ChunksEmbedded, DocumentDeleted, DocumentIndexed, IndexOutcome
 from ragstream.storage.documents import DocumentStore
 
-__all__ = ["IndexService"]
+__all__ = ["IndexService", "MixedEmbeddingModelsError"]
+
+
+class MixedEmbeddingModelsError(Exception):
+    """The batches of one document version were embedded by different models."""
 
 
 class IndexService:
@@ -22,6 +26,11 @@ class IndexService:
         if batches is None:
             return None
         header = batches[0].header
+        models = {batch.model_key for batch in batches}
+        if len(models) > 1:
+            # A re-index switched models between this document's batches: its vectors are not of one
+            # space. Recorded as a retryable failure; the replay re-embeds all of it with one model.
+            raise MixedEmbeddingModelsError(f"batches of {header.document_id} come from {sorted(models)}")
         chunks = [chunk for batch in batches for chunk in batch.chunks]
         vectors = np.vstack([batch.vector_array() for batch in batches])
         outcome = await self._store.commit_document(header, chunks, vectors, message.model_key)

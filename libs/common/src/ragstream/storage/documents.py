@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ import asyncpg
 from ragstream.embedding.base import Vectors
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentDeleted, DocumentHeader, IndexOutcome
 from ragstream.segmentation import segment
+from ragstream.storage.spaces import lock_space
 
 __all__ = ["CommittedDocument", "DocumentStore", "Failure", "chunk_id", "document_id"]
 
@@ -54,7 +54,6 @@ class DocumentStore:
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
-        self._spaces: dict[str, str] = {}
 
     async def ensure_connection(
         self, connection_id: str, platform: str, name: str, config: Mapping[str, Any] | None = None
@@ -133,46 +132,18 @@ class DocumentStore:
         content = await self._pool.fetchval("SELECT content FROM staged_documents WHERE version = $1", version)
         return bytes(content) if content is not None else None
 
-    async def embedding_table(self, model_key: str, dimension: int) -> str:
-        """The table of a vector space, created with its HNSW index the first time the model is seen."""
-        if model_key in self._spaces:
-            return self._spaces[model_key]
-        async with self._pool.acquire() as connection, connection.transaction():
-            await connection.execute("SELECT pg_advisory_xact_lock(hashtext('embedding_spaces'))")
-            row = await connection.fetchrow(
-                "SELECT table_name, dimension FROM embedding_spaces WHERE model_key = $1", model_key
-            )
-            if row is None:
-                slug = re.sub(r"[^a-z0-9]+", "_", model_key.lower()).strip("_")[:40]
-                table = f"embeddings_{slug}_{hashlib.sha256(model_key.encode()).hexdigest()[:6]}"
-                await connection.execute(
-                    f"CREATE TABLE {table} (chunk_id text PRIMARY KEY REFERENCES chunks (id) ON DELETE CASCADE,"
-                    f" embedding vector({dimension}) NOT NULL)"
-                )
-                await connection.execute(
-                    f"CREATE INDEX {table}_hnsw ON {table} USING hnsw (embedding vector_cosine_ops)"
-                )
-                await connection.execute(
-                    "INSERT INTO embedding_spaces (model_key, dimension, table_name) VALUES ($1, $2, $3)",
-                    model_key,
-                    dimension,
-                    table,
-                )
-            elif row["dimension"] != dimension:
-                raise ValueError(f"{model_key} is stored with dimension {row['dimension']}, not {dimension}")
-            else:
-                table = row["table_name"]
-        self._spaces[model_key] = table
-        return table
-
     async def add_pending_batch(self, message: ChunksEmbedded) -> list[ChunksEmbedded] | None:
-        """Park one batch of a multi-batch document; return all batches once the last has arrived."""
+        """Park one batch of a multi-batch document; return all batches once the last has arrived.
+
+        A batch arriving again replaces the parked one: a replay after a re-index switched models
+        mid-document re-embeds every batch with the new model, and none of the old may stay."""
         header = message.header
         async with self._pool.acquire() as connection, connection.transaction():
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
             await connection.execute(
                 "INSERT INTO pending_batches (document_id, version, batch_index, batch_count, payload) "
-                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+                "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (document_id, version, batch_index)"
+                " DO UPDATE SET batch_count = EXCLUDED.batch_count, payload = EXCLUDED.payload",
                 header.document_id,
                 header.version,
                 message.batch_index,
@@ -195,10 +166,12 @@ class DocumentStore:
 
         Nothing changes when the committed version is already as new: redelivered or reordered
         messages are harmless, and the previous version stays searchable until this one commits.
+        Vectors of a model a re-index has retired raise ``RetiredSpaceError`` (retryable).
         """
-        table = await self.embedding_table(model_key, int(vectors.shape[1]))
         ids = [chunk_id(header.document_id, header.version, chunk.ordinal) for chunk in chunks]
         async with self._pool.acquire() as connection, connection.transaction():
+            # First, so that a re-index switch waits for this commit or this commit for the switch.
+            table = await lock_space(connection, model_key, int(vectors.shape[1]))
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
                 " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at)"

@@ -1,0 +1,394 @@
+"""Re-index to another embedding model against a real PostgreSQL: search goes on, one model per search."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import numpy as np
+import pytest
+
+from ragstream.api.http import create_app
+from ragstream.api.reindex import reindex_router
+from ragstream.connectors.folder import FolderConnector
+from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
+from ragstream.embedding.spaces import ActiveSpace
+from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, pack_vectors
+from ragstream.reindex import Reindexer, ReindexProgress
+from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
+from ragstream.runtime import Runtime, open_runtime
+from ragstream.settings import EmbeddingSettings, Settings
+from ragstream.stages.embed import embedding_input
+from ragstream.stages.index import MixedEmbeddingModelsError
+from ragstream.storage.citations import CitationStore
+from ragstream.storage.documents import document_id
+from ragstream.storage.search import SearchStore
+from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
+
+if TYPE_CHECKING:
+    from tests.support.fake_dashscope import FakeDashScope
+
+pytestmark = pytest.mark.integration
+# Registered as a plugin rather than imported, so pytest can rewrite its asserts.
+pytest_plugins = ["tests.support.fake_dashscope"]
+
+LOCAL_KEY = "use-multilingual-v3-512"
+QUERIES = ["install the server on linux", "rotate the api keys", "backup and restore the database"]
+TOPICS = {
+    "install.md": "# Install\n\nDownload the package and run the installer on Linux or macOS.",
+    "keys.md": "# Keys\n\nRotate API keys every ninety days; old keys stop working after a grace period.",
+    "backup.md": "# Backup\n\nA nightly backup copies the database; restore it with the restore command.",
+    "network.md": "# Network\n\nOpen port 8080 for the HTTP API and 9092 for the broker.",
+    "logs.md": "# Logs\n\nLogs rotate daily and are kept for two weeks in the logs folder.",
+    "users.md": "# Users\n\nInvite users by e-mail; an admin grants them roles and groups.",
+}
+
+
+def hash_vector(text: str, dimension: int) -> Vectors:
+    """A unit vector from the sum of per-word hashed vectors: texts sharing words point alike."""
+    total = np.zeros(dimension)
+    for word in text.lower().split():
+        seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "big")
+        total += np.random.default_rng(seed).standard_normal(dimension)
+    return (total / (np.linalg.norm(total) or 1.0)).astype(np.float32)
+
+
+class HashEmbedder:
+    """Deterministic vectors from hashed words that can pause or fail on cue."""
+
+    def __init__(self, model_key: str = "test-hash-64", dimension: int = 64, *, fail_on_call: int | None = None):
+        self.model_key = model_key
+        self.dimension = dimension
+        self.fail_on_call = fail_on_call
+        self.pause_on_call: int | None = None
+        self.paused = asyncio.Event()
+        self.resume = asyncio.Event()
+        self.calls = 0
+        self.texts: list[str] = []
+
+    async def warm_up(self) -> None:
+        return None
+
+    async def embed(self, texts: Sequence[str], kind: TextKind = "document") -> Vectors:
+        self.calls += 1
+        if self.calls == self.pause_on_call:
+            self.paused.set()
+            await self.resume.wait()
+        if self.calls == self.fail_on_call:
+            raise EmbeddingError("the test embedder rejects this batch", retryable=False, provider="test")
+        self.texts.extend(texts)
+        return np.vstack([hash_vector(text, self.dimension) for text in texts])
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.fixture
+async def runtime_db(database_url: str, fake_dashscope: FakeDashScope) -> AsyncIterator[Runtime]:
+    """A runtime (local model active) on a database of its own: a switch must not reach other tests."""
+    name = f"reindex_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(database_url)
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+    finally:
+        await admin.close()
+    dsn = urlunsplit(urlsplit(database_url)._replace(path=f"/{name}"))
+    settings = Settings(database_url=dsn, embedding=EmbeddingSettings(api_key=fake_dashscope.api_key))
+    try:
+        async with open_runtime(settings, dsn) as runtime:
+            yield runtime
+    finally:
+        admin = await asyncpg.connect(database_url)
+        try:
+            await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        finally:
+            await admin.close()
+
+
+def dashscope_spec(fake: FakeDashScope) -> dict[str, object]:
+    return {"provider": "dashscope", "model": "text-embedding-v3", "dimension": 256, "base_url": fake.base_url}
+
+
+def write(folder: Path, files: dict[str, str]) -> None:
+    folder.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+
+
+async def ingest(runtime: Runtime, folder: Path, files: dict[str, str]) -> None:
+    write(folder, files)
+    report = await runtime.pipeline().sync(FolderConnector(folder))
+    assert report.ok, report.failures
+
+
+async def search(runtime: Runtime, query: str) -> SearchResponse:
+    return await runtime.retriever.search(SearchRequest(query=query, top_k=5))
+
+
+def answer(response: SearchResponse) -> list[tuple[str, int | None]]:
+    return [(result.chunk_id, result.vector_rank) for result in response.results]
+
+
+async def new_document(runtime: Runtime, name: str) -> DocumentHeader:
+    connection = f"direct-{uuid.uuid4().hex[:8]}"
+    await runtime.store.ensure_connection(connection, "folder", connection)
+    return DocumentHeader(
+        document_id=document_id(connection, name),
+        connection_id=connection,
+        external_id=name,
+        version=await runtime.store.next_version(),
+        content_hash="h",
+        title=name,
+        source=name,
+        media_type="text/markdown",
+    )
+
+
+async def spaces(runtime: Runtime) -> dict[str, tuple[str, bool]]:
+    """Status of each space and whether its table exists."""
+    rows = await runtime.pool.fetch(
+        "SELECT model_key, status, to_regclass(table_name) IS NOT NULL AS t FROM embedding_spaces"
+    )
+    return {row["model_key"]: (row["status"], row["t"]) for row in rows}
+
+
+async def test_searches_during_a_reindex_never_fail_nor_mix_models(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    before = {query: answer(await search(runtime, query)) for query in QUERIES}
+    # Another process's retriever: it cached the old space and builds the new model from its spec.
+    elsewhere_spaces = ActiveSpace(SpaceStore(runtime.pool), runtime.settings.embedding, runtime.embedder, ttl_s=3600)
+    elsewhere = HybridRetriever(
+        SearchStore(runtime.pool), runtime.embedder, CitationStore(runtime.pool), spaces=elsewhere_spaces
+    )
+    assert (await elsewhere.search(SearchRequest(query=QUERIES[0], top_k=5))).embedding_space == LOCAL_KEY
+    target = runtime.spaces.build(dashscope_spec(fake_dashscope))
+    fake_dashscope.delay_s = 0.2  # a re-index that takes a while: searches run all through it
+    progress: list[ReindexProgress] = []
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
+    task = asyncio.create_task(reindexer.run(target, dashscope_spec(fake_dashscope), progress.append))
+    seen: list[tuple[str, str | None, list[tuple[str, int | None]]]] = []
+
+    async def keep_searching(offset: int) -> None:
+        """Until a few searches after the switch; several loops at once, so some meet the table drop."""
+        after_switch = 0
+        while after_switch < len(QUERIES):
+            query = QUERIES[(len(seen) + offset) % len(QUERIES)]
+            response = await search(runtime, query)  # never raises
+            seen.append((query, response.embedding_space, answer(response)))
+            after_switch += task.done()
+
+    await asyncio.gather(*(keep_searching(offset) for offset in range(3)))
+    result = await task
+    assert result.status == "switched", result.error
+    new_key = target.model_key
+    after = {query: answer(await search(runtime, query)) for query in QUERIES}
+    assert after != before  # the vector leg's neighbours differ between the models
+    for query, space, got in seen:
+        assert got == (before if space == LOCAL_KEY else after)[query], space
+    assert {space for _, space, _ in seen} == {LOCAL_KEY, new_key}
+    assert sum(space == LOCAL_KEY for _, space, _ in seen) > len(QUERIES)  # searched while it built
+    assert (await search(runtime, QUERIES[0])).embedding_space == new_key
+    # Its cached table is gone: the search goes to the new space whole, query embedded by the new model.
+    response = await elsewhere.search(SearchRequest(query=QUERIES[0], top_k=5))
+    assert response.embedding_space == new_key and answer(response) == after[QUERIES[0]]
+    await elsewhere_spaces.aclose()
+    assert await spaces(runtime) == {LOCAL_KEY: ("retired", False), new_key: ("active", True)}
+    # The re-indexed vectors are the ones ingest would have produced with the new model.
+    row = await runtime.pool.fetchrow(
+        "SELECT c.id, d.title, c.heading, c.text FROM chunks c JOIN documents d ON d.id = c.document_id LIMIT 1"
+    )
+    assert row is not None
+    table = (await SpaceStore(runtime.pool).active()).table  # type: ignore[union-attr]
+    stored = await runtime.pool.fetchval(f"SELECT embedding FROM {table} WHERE chunk_id = $1", row["id"])
+    expected = fake_dashscope.expected_vectors([embedding_input(row["title"], row["heading"], row["text"])], 256)[0]
+    assert np.allclose(stored.to_numpy(), expected, atol=1e-5)
+    run = await SpaceStore(runtime.pool).latest_run()
+    assert run is not None and run.status == "switched" and run.source_key == LOCAL_KEY
+    assert run.chunks_embedded == run.chunks_total == len(TOPICS)
+    assert progress[-1].chunks_embedded == len(TOPICS) and len(progress) > 2
+
+
+async def test_documents_ingested_during_a_reindex_are_searchable_after_the_switch(
+    runtime_db: Runtime, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    target = HashEmbedder()
+    target.pause_on_call = 2  # after the first batch of the backfill
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
+    task = asyncio.create_task(reindexer.run(target, {"provider": "local"}))
+    await target.paused.wait()
+    late = {"late.md": "# Zephyr\n\nThe zephyr dashboard shows quarterly widget sales."}
+    await ingest(runtime, tmp_path / "late", late)  # committed with the active (local) model
+    # An edit replaces a chunk the backfill may have embedded already: its vector goes with it.
+    await ingest(runtime, tmp_path / "docs", {"keys.md": "# Keys\n\nKeys of the aardvark vault never expire."})
+    assert (await search(runtime, "zephyr widget sales")).embedding_space == LOCAL_KEY
+    target.resume.set()
+    assert (await task).status == "switched"
+    response = await search(runtime, "zephyr widget sales dashboard")
+    assert response.embedding_space == target.model_key
+    assert response.results[0].source == "late.md" and response.results[0].vector_rank == 1
+    store = SpaceStore(runtime.pool)
+    active = await store.active()
+    assert active is not None and await store.count_vectors(active.table) == await store.count_chunks()
+    assert (await search(runtime, "aardvark vault keys")).results[0].text.endswith("never expire.")
+    # Vectors of the old model committing after the switch (embedded just before it) are refused:
+    # the document fails, retryably, instead of landing in a table nobody searches.
+    chunk = ChunkPayload(ordinal=0, heading="", text="late")
+    with pytest.raises(RetiredSpaceError):
+        await runtime.store.commit_document(
+            await new_document(runtime, "late.md"), [chunk], hash_vector("late", 512)[None, :], LOCAL_KEY
+        )
+    # Ingest after the switch embeds with the new model.
+    await ingest(runtime, tmp_path / "later", {"later.md": "# Quokka\n\nQuokka habitats on Rottnest island."})
+    embedded = len(target.texts)
+    assert (await search(runtime, "quokka island")).results[0].source == "later.md"
+    assert len(target.texts) > embedded and await store.count_vectors(active.table) == await store.count_chunks()
+
+
+async def test_an_interrupted_reindex_resumes_without_embedding_done_chunks_again(
+    runtime_db: Runtime, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    first = HashEmbedder()
+    first.pause_on_call = 3  # two batches stored, the third held: then cancelled
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2, progress_interval_s=0.1)
+    task = asyncio.create_task(reindexer.run(first, {"provider": "local"}))
+    await first.paused.wait()
+    await asyncio.sleep(0.3)  # the embedder is stuck, yet progress is written
+    running = await SpaceStore(runtime.pool).latest_run()
+    assert running is not None and running.status == "running"
+    assert (running.chunks_total, running.chunks_embedded) == (len(TOPICS), 4)
+    assert running.rate and running.eta_seconds and (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store = SpaceStore(runtime.pool)
+    run = await store.latest_run()
+    assert run is not None and run.status == "interrupted" and run.chunks_embedded == 4
+    assert (await search(runtime, QUERIES[0])).embedding_space == LOCAL_KEY
+    assert (await spaces(runtime))[first.model_key] == ("building", True)
+
+    second = HashEmbedder()
+    result = await reindexer.run(second, {"provider": "local"})
+    assert result.status == "switched"
+    assert len(second.texts) == len(TOPICS) - 4  # only what the first run had not stored
+    assert not set(first.texts[:4]) & set(second.texts)
+    assert (await search(runtime, QUERIES[0])).embedding_space == second.model_key
+
+
+async def test_a_failing_target_leaves_the_old_space_active_and_searchable(runtime_db: Runtime, tmp_path: Path) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    before = answer(await search(runtime, QUERIES[0]))
+    target = HashEmbedder(fail_on_call=2)
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
+    result = await reindexer.run(target, {"provider": "local"})
+    assert result.status == "failed" and result.error is not None and "rejects" in result.error
+    run = await SpaceStore(runtime.pool).latest_run()
+    assert run is not None and run.status == "failed" and run.error == result.error
+    assert (await spaces(runtime))[LOCAL_KEY] == ("active", True)
+    response = await search(runtime, QUERIES[0])
+    assert response.embedding_space == LOCAL_KEY and answer(response) == before
+
+
+async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    reindexer = runtime.reindexer()
+
+    async def ready() -> bool:
+        return True
+
+    app = create_app(
+        lambda: runtime.retriever, ready=ready, routers=[reindex_router(reindexer, SpaceStore(runtime.pool))]
+    )
+    fake_dashscope.delay_s = 0.5  # still running when the second POST comes
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        assert (await client.get("/v1/reindex")).status_code == 404
+        started = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
+        assert started.status_code == 202, started.text
+        assert started.json()["status"] == "running" and started.json()["source_key"] == LOCAL_KEY
+        assert (await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))).status_code == 409
+        for _ in range(200):
+            body = (await client.get("/v1/reindex")).json()
+            if body["status"] != "running":
+                break
+            await asyncio.sleep(0.1)
+        assert body["status"] == "switched" and body["chunks_embedded"] == body["chunks_total"] == len(TOPICS)
+        assert body["target_key"] == "dashscope-text-embedding-v3-256"
+        again = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
+        assert again.status_code == 422 and "already the active" in again.text
+        found = await client.post("/v1/search", json={"query": QUERIES[0]})
+        assert found.json()["embedding_space"] == "dashscope-text-embedding-v3-256"
+    await reindexer.aclose()
+
+
+async def test_the_command_shows_progress_and_switches(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    assert runtime.settings.database_url is not None
+    env = {
+        **os.environ,
+        "DATABASE_URL": runtime.settings.database_url,
+        "RAGSTREAM_EMBEDDER_API_KEY": fake_dashscope.api_key,
+        "COLUMNS": "160",
+    }
+    args = ["--provider", "dashscope", "--model", "text-embedding-v3", "--dimension", "256"]
+    command = [sys.executable, "-m", "ragstream.cli", "reindex", *args, "--base-url", fake_dashscope.base_url]
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+    done = await asyncio.to_thread(run)
+    assert done.returncode == 0, done.stderr
+    assert f"{len(TOPICS)}/{len(TOPICS)}" in done.stderr and "chunks/s" in done.stderr and "ETA" in done.stderr
+    assert "dashscope-text-embedding-v3-256" in done.stderr
+    # The process that was searching all along now searches the new space.
+    assert (await search(runtime, QUERIES[0])).embedding_space == "dashscope-text-embedding-v3-256"
+    again = await asyncio.to_thread(run)
+    assert again.returncode == 1 and "already the active" in again.stderr
+
+
+async def test_a_document_whose_batches_came_from_two_models_is_refused_then_replayed(runtime: Runtime) -> None:
+    """A switch between two batches of one document: its vectors are not of one space."""
+    header = await new_document(runtime, "two.md")
+    vectors = [hash_vector(f"part {i}", runtime.embedder.dimension)[None, :] for i in range(2)]
+
+    def batch(index: int, model_key: str) -> ChunksEmbedded:
+        chunk = ChunkPayload(ordinal=index, heading="", text=f"part {index}")
+        return ChunksEmbedded(
+            header=header,
+            batch_index=index,
+            batch_count=2,
+            chunk_count=2,
+            chunks=[chunk],
+            model_key=model_key,
+            dimension=runtime.embedder.dimension,
+            vectors=pack_vectors(vectors[index]),
+        )
+
+    assert await runtime.indexer.run(batch(0, "retired-model-512")) is None
+    with pytest.raises(MixedEmbeddingModelsError):
+        await runtime.indexer.run(batch(1, runtime.embedder.model_key))
+    # The replay embeds every batch again with the active model: the parked old batch is replaced.
+    assert await runtime.indexer.run(batch(0, runtime.embedder.model_key)) is not None
