@@ -17,7 +17,7 @@ from ragstream.api.http import create_app
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RunCounts, RunStatus, SyncInProgress, SyncRunStore
+from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import SCHEDULER_LOCK, Scheduler
 from ragstream.embedding.base import Embedder, EmbeddingError, TextKind, Vectors
 from ragstream.pipeline import EmbeddedPipeline
@@ -88,6 +88,16 @@ async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool)
     done = await runs.finish(first.id, RunStatus.READY, None, RunCounts(listed=3, indexed=3), 1.5)
     assert done is not None and done.status is RunStatus.READY
     assert (await runs.start("wiki", "api")).status is RunStatus.QUEUED
+
+
+async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool) -> None:
+    runs = SyncRunStore(pool)
+    await add_connection(pool, "direct-only", rag_enabled=False)
+    with pytest.raises(RagDisabled, match="RAG is off"):
+        await runs.start("direct-only", "api")
+    with pytest.raises(RagDisabled):
+        await runs.start("no-such-connection", "api")
+    assert await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id = 'direct-only'") == 0
 
 
 async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool) -> None:

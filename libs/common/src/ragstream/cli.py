@@ -20,7 +20,7 @@ from ragstream.api.syncs import status_label
 from ragstream.chunking import parse_chunking
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import RunOutcome, SyncRunner
-from ragstream.control.runs import ConnectionOverview, SyncInProgress, SyncRunStore
+from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgress, SyncRunStore
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.pipeline import SyncProgress, SyncReport
@@ -74,6 +74,9 @@ async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | 
         run = await runs.start(connection_id, "cli", running=True)
     except SyncInProgress:
         console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
+        return RunOutcome(None, None)
+    except RagDisabled as error:
+        console.print(f"[bold red]{folder}[/]: {error}")
         return RunOutcome(None, None)
     runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
     columns = (

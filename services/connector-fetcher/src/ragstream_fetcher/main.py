@@ -30,7 +30,7 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import failure_reason
-from ragstream.control.runs import RunCounts, RunStatus, SyncInProgress, SyncRun, SyncRunStore, Trigger
+from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRun, SyncRunStore, Trigger
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -128,7 +128,7 @@ def create_app() -> FastAPI:
         await register_folder(state["runtime"].store, folder)
         try:
             run = await runs.start(connector.connection_id, trigger, running=True)
-        except SyncInProgress as error:
+        except (SyncInProgress, RagDisabled) as error:
             raise HTTPException(status_code=409, detail=str(error)) from error
         syncs[connector.connection_id] = SyncStatus(connection_id=connector.connection_id, state="syncing", counts={})
         running[connector.connection_id] = asyncio.create_task(run_sync(connector, run))

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
-from ragstream.control.runs import RunStatus, SyncInProgress, SyncRun, SyncRunStore
+from ragstream.control.runs import RagDisabled, RunStatus, SyncInProgress, SyncRun, SyncRunStore
 
 __all__ = ["ConnectionSyncStatus", "SyncRunView", "sync_router"]
 
@@ -96,14 +96,17 @@ def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[
         "/{connection_id}/sync",
         status_code=202,
         response_model=SyncRunView,
-        responses={404: {"description": "No such connection"}, 409: {"description": "Sync already in progress"}},
+        responses={
+            404: {"description": "No such connection"},
+            409: {"description": "Sync already in progress, or RAG is off for the connection"},
+        },
     )
     async def start_sync(connection_id: str) -> SyncRunView:
         """Queue an incremental sync; a run silent for longer than the stale timeout is failed and replaced."""
         store = await store_of(connection_id)
         try:
             run = await store.start(connection_id, "api")
-        except SyncInProgress as error:
+        except (SyncInProgress, RagDisabled) as error:
             raise HTTPException(status_code=409, detail=str(error)) from error
         if on_enqueued is not None:
             on_enqueued()

@@ -17,7 +17,16 @@ import asyncpg
 
 from ragstream.connectors.registry import ConnectionRow
 
-__all__ = ["ConnectionOverview", "RunCounts", "RunStatus", "SyncInProgress", "SyncRun", "SyncRunStore", "Trigger"]
+__all__ = [
+    "ConnectionOverview",
+    "RagDisabled",
+    "RunCounts",
+    "RunStatus",
+    "SyncInProgress",
+    "SyncRun",
+    "SyncRunStore",
+    "Trigger",
+]
 
 Trigger = Literal["api", "create", "schedule", "cli"]
 
@@ -30,6 +39,13 @@ class RunStatus(StrEnum):
     SYNCING = "syncing"
     READY = "ready"
     FAILED = "failed"
+
+
+class RagDisabled(Exception):
+    """The connection has RAG off (or is gone): it is served by direct search and nothing is indexed."""
+
+    def __init__(self, connection_id: str) -> None:
+        super().__init__(f"RAG is off for connection {connection_id}: turn rag_enabled on to index it")
 
 
 class SyncInProgress(Exception):
@@ -135,7 +151,7 @@ class SyncRunStore:
 
     async def start(self, connection_id: str, trigger: Trigger, *, running: bool = False) -> SyncRun:
         """Queue a run. If one is active and silent past the stale timeout it is failed first;
-        otherwise ``SyncInProgress`` (with the active run).
+        otherwise ``SyncInProgress`` (with the active run). ``RagDisabled`` when RAG is off.
 
         ``running`` starts it at once as syncing, outside the concurrency limit: a foreground
         ``ragstream ingest`` runs its own sync, and no runner may claim it in between."""
@@ -143,13 +159,15 @@ class SyncRunStore:
             try:
                 row = await self._pool.fetchrow(
                     "INSERT INTO sync_runs (connection_id, trigger, status, started_at, heartbeat_at)"
-                    " VALUES ($1, $2, CASE WHEN $3::boolean THEN 'syncing' ELSE 'queued' END,"
-                    " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END) RETURNING *",
+                    " SELECT $1, $2, CASE WHEN $3::boolean THEN 'syncing' ELSE 'queued' END,"
+                    " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END"
+                    " FROM connections WHERE id = $1 AND rag_enabled RETURNING *",
                     connection_id,
                     trigger,
                     running,
                 )
-                assert row is not None
+                if row is None:
+                    raise RagDisabled(connection_id)
                 return SyncRun.from_row(row)
             except asyncpg.UniqueViolationError:
                 if not await self.fail_stale(connection_id):

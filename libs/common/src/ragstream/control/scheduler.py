@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import asyncpg
 
-from ragstream.control.runs import SyncInProgress, SyncRun, SyncRunStore
+from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRun, SyncRunStore
 
 __all__ = ["SCHEDULER_LOCK", "Scheduler"]
 
@@ -70,7 +70,8 @@ class Scheduler:
             return []
         enqueued = []
         for connection_id in await self._runs.due():
-            with contextlib.suppress(SyncInProgress):  # a sync on request got there first
+            # A sync on request got there first, or RAG was switched off since due() read it.
+            with contextlib.suppress(SyncInProgress, RagDisabled):
                 enqueued.append(await self._runs.start(connection_id, "schedule"))
         if enqueued and self._on_enqueued is not None:
             self._on_enqueued()
