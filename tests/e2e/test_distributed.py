@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from ragstream.connectors.folder import FolderConnector
-from tests.support.fake_dashscope import run_fake_dashscope
 from tests.support.services import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
@@ -224,9 +223,8 @@ async def failed_and_indexed(database_url: str, folder: Path) -> tuple[set[str],
         await connection.close()
 
 
-async def test_dead_letters_replayed_once_the_embedder_is_back(
+async def test_dead_letters_replayed_once_their_cause_is_fixed(
     services: dict[str, ServiceProcess],
-    service_env: dict[str, str],
     database_url: str,
     kafka_bootstrap: str,
     tmp_path: Path,
@@ -237,30 +235,25 @@ async def test_dead_letters_replayed_once_the_embedder_is_back(
     for n in range(5):
         (folder / f"letter{n}.md").write_text(f"# Letter {n}\n\nThe deadletterterm{n} page.\n")
 
-    # The embedder talks to a DashScope that rejects every request: each document is dead-lettered.
-    services["embedder"].stop()
-    with run_fake_dashscope() as fake:
-        fake.fail_next(10_000, status=400, code="InvalidParameter", message="Input is invalid.")
-        rejecting = ServiceProcess(
-            "embedder",
-            {
-                **service_env,
-                "RAGSTREAM_EMBEDDER_PROVIDER": "dashscope",
-                "RAGSTREAM_EMBEDDER_BASE_URL": fake.base_url,
-                "RAGSTREAM_EMBEDDER_API_KEY": fake.api_key,
-            },
-            tmp_path,
-        ).start(timeout=120)
-        try:
-            trigger_sync(services["connector-fetcher"], folder)
-            deadline = time.monotonic() + 120
-            while (await failed_and_indexed(database_url, folder))[0] != sources:
-                assert time.monotonic() < deadline, "documents were not dead-lettered"
-                await asyncio.sleep(0.5)
-        finally:
-            rejecting.stop()
-    services["embedder"] = ServiceProcess("embedder", service_env, tmp_path).start(timeout=120)
-    assert (await failed_and_indexed(database_url, folder))[1] == set()
+    # A broken chunking config on the connection: the chunker fails every document, each is
+    # dead-lettered, and nothing of the connection is indexed.
+    connection_id = FolderConnector(folder).connection_id
+    connection = await asyncpg.connect(database_url)
+    try:
+        await connection.execute(
+            "INSERT INTO connections (id, platform, name, config) VALUES ($1, 'folder', 'dead', $2::jsonb)",
+            connection_id,
+            '{"chunking": {"kind": "no-such-chunker"}}',
+        )
+        trigger_sync(services["connector-fetcher"], folder)
+        deadline = time.monotonic() + 120
+        while (await failed_and_indexed(database_url, folder))[0] != sources:
+            assert time.monotonic() < deadline, "documents were not dead-lettered"
+            await asyncio.sleep(0.5)
+        assert (await failed_and_indexed(database_url, folder))[1] == set()
+        await connection.execute("UPDATE connections SET config = config - 'chunking' WHERE id = $1", connection_id)
+    finally:
+        await connection.close()
 
     env = {**os.environ, "DATABASE_URL": database_url}
     command = [sys.executable, "-m", "ragstream.cli", "replay", "--kafka", kafka_bootstrap, "--dead-letter"]
