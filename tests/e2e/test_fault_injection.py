@@ -59,6 +59,7 @@ SEED = int(os.environ.get("RAGSTREAM_FAULT_SEED", "3"))
 DIMENSION = 64  # small vectors: the fake and pgvector spend less per chunk; delivery is what is tested
 FETCHER = "connector-fetcher"
 CONSUMERS = ("chunker", "embedder", "indexer")
+REPLICAS = 2  # per consumer: the stages are latency-bound, and a kill then also moves partitions
 # What each consumer group reads; checked upstream first (see ``pipeline_drained``).
 CONSUMED: tuple[tuple[str, tuple[Topic, ...]], ...] = (
     ("chunker", (Topic.DOC_CHANGED,)),
@@ -128,8 +129,9 @@ async def count(pool: asyncpg.Pool, query: str, *args: object) -> int:
 
 @dataclass
 class Incarnation:
-    """The current process of one service, and whether it is armed with a crash point."""
+    """The current process in one replica slot of a service, and the crash point it is armed with."""
 
+    service: str
     process: ServiceProcess
     crash_point: str | None = None
     ready: bool = False
@@ -137,7 +139,11 @@ class Incarnation:
 
 @dataclass
 class Chaos:
-    """Restarts dead services and executes the seeded kill schedule; records what happened."""
+    """Runs the replicas, restarts the dead, executes kills; records what happened.
+
+    Slots are named ``service/replica``. Replica 0 of each consumer is armed with its crash point
+    until that point has fired once.
+    """
 
     env: dict[str, str]
     logs: Path
@@ -148,18 +154,18 @@ class Chaos:
     crashes: Counter[str] = field(default_factory=Counter)
     exits: list[str] = field(default_factory=list)
 
-    def start(self, name: str) -> None:
-        """Start ``name``; a consumer is armed with its crash point until it has crashed there once."""
+    def start(self, slot: str) -> None:
+        service, replica = slot.split("/")
         env = dict(self.env)
-        crash_point = self.points.get(name) if not self.crashes[name] else None
+        crash_point = self.points.get(service) if replica == "0" and not self.crashes[service] else None
         if crash_point is not None:
             env["RAGSTREAM_CRASH_AT"] = crash_point
-            env["RAGSTREAM_CRASH_AFTER"] = str(self.rng.randint(5, 60))
-        process = ServiceProcess(name, env, self.logs).start(wait_ready=False)
-        self.running[name] = Incarnation(process, crash_point)
+            env["RAGSTREAM_CRASH_AFTER"] = str(self.rng.randint(5, 40))
+        process = ServiceProcess(service, env, self.logs).start(wait_ready=False)
+        self.running[slot] = Incarnation(service, process, crash_point)
 
-    def is_ready(self, name: str) -> bool:
-        incarnation = self.running[name]
+    def is_ready(self, slot: str) -> bool:
+        incarnation = self.running[slot]
         if not incarnation.ready:
             try:
                 incarnation.ready = httpx.get(f"{incarnation.process.url}/readyz", timeout=2).status_code == 200
@@ -167,27 +173,35 @@ class Chaos:
                 return False
         return incarnation.ready
 
-    def kill(self, name: str) -> None:
-        self.running[name].process.kill()
-        self.kills[name] += 1
-        self.exits.append(f"{name}: SIGKILL")
-        self.start(name)
+    def kill(self, service: str) -> bool:
+        """SIGKILL one ready replica of ``service`` (chosen by the seeded generator) and start another
+        in its slot; False when none is ready yet (one that is still starting is not worth killing)."""
+        ready = [slot for slot, i in self.running.items() if i.service == service and self.is_ready(slot)]
+        if not ready:
+            return False
+        slot = self.rng.choice(ready)
+        self.running[slot].process.kill()
+        self.kills[service] += 1
+        self.exits.append(f"{slot} SIGKILL")
+        self.start(slot)
+        return True
 
-    def reap(self) -> list[str]:
-        """Restart every service that exited on its own; only an armed crash point may do that."""
-        restarted = []
-        for name, incarnation in list(self.running.items()):
+    def reap(self) -> set[str]:
+        """Restart every process that exited on its own (only an armed crash point may do that);
+        returns the services restarted."""
+        restarted = set()
+        for slot, incarnation in list(self.running.items()):
             assert incarnation.process.process is not None
             code = incarnation.process.process.poll()
             if code is None:
                 continue
             assert code == CRASH_EXIT and incarnation.crash_point, (
-                f"{name} exited with {code}:\n{incarnation.process.tail()}"
+                f"{slot} exited with {code}:\n{incarnation.process.tail()}"
             )
-            self.crashes[name] += 1
-            self.exits.append(f"{name}: exit {code} at {incarnation.crash_point}")
-            self.start(name)
-            restarted.append(name)
+            self.crashes[incarnation.service] += 1
+            self.exits.append(f"{slot} exit {code} at {incarnation.crash_point}")
+            self.start(slot)
+            restarted.add(incarnation.service)
         return restarted
 
     def stop(self) -> None:
@@ -195,7 +209,7 @@ class Chaos:
             incarnation.process.stop()
 
     def tails(self) -> str:
-        return "\n".join(f"--- {name}\n{i.process.tail(15)}" for name, i in self.running.items())
+        return "\n".join(f"--- {slot}\n{i.process.tail(15)}" for slot, i in self.running.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +222,12 @@ class Kill:
 
 
 def kill_schedule(rng: random.Random) -> list[Kill]:
-    """Every service at least once, some twice; consumer kills come after 5% indexed, so each first
-    incarnation has already passed its crash point (at most 60 messages) when it is SIGKILLed."""
+    """Every service at least once, some twice. Consumer kills come after 10% is indexed: replica 0,
+    which holds at least one of the three partitions, has then long passed its crash point (at most
+    40 messages), so the deterministic crash and the random kills do not pre-empt each other."""
     kills = [Kill(FETCHER, rng.uniform(0.1, 0.5)), Kill(FETCHER, rng.uniform(0.2, 0.8))]
     for name in CONSUMERS:
-        kills += [Kill(name, rng.uniform(0.05, 0.9)) for _ in range(rng.randint(1, 2))]
+        kills += [Kill(name, rng.uniform(0.1, 0.9)) for _ in range(rng.randint(1, 2))]
     return kills
 
 
@@ -329,8 +344,8 @@ async def test_killed_services_converge_to_the_clean_index(
         chaos = Chaos(env, logs, rng, points)
         pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2)
         try:
-            for name in (*CONSUMERS, FETCHER):
-                chaos.start(name)
+            for slot in (*(f"{name}/{replica}" for name in CONSUMERS for replica in range(REPLICAS)), f"{FETCHER}/0"):
+                chaos.start(slot)
             syncs = await drive(chaos, schedule, corpus, pool)
             wall = time.monotonic() - started
         finally:
@@ -371,8 +386,8 @@ async def drive(chaos: Chaos, schedule: list[Kill], corpus: Path, pool: asyncpg.
             )
             if FETCHER in chaos.reap():
                 sync_wanted = True
-            fetcher = chaos.running[FETCHER].process
-            if sync_wanted and chaos.is_ready(FETCHER):
+            fetcher = chaos.running[f"{FETCHER}/0"].process
+            if sync_wanted and chaos.is_ready(f"{FETCHER}/0"):
                 trigger_sync(fetcher, corpus)
                 syncs, sync_wanted, sync_done, listed = syncs + 1, False, False, 0
             elif not sync_wanted and not sync_done:
@@ -389,8 +404,7 @@ async def drive(chaos: Chaos, schedule: list[Kill], corpus: Path, pool: asyncpg.
                     due = not sync_wanted and (sync_done or listed >= kill.at * DOCUMENTS)
                 else:
                     due = indexed >= kill.at * DOCUMENTS
-                if due and chaos.is_ready(kill.service):
-                    chaos.kill(kill.service)
+                if due and chaos.kill(kill.service):
                     schedule.remove(kill)
                     sync_wanted = sync_wanted or kill.service == FETCHER
                     break
