@@ -156,10 +156,19 @@ class DocumentStore:
         return table
 
     async def add_pending_batch(self, message: ChunksEmbedded) -> list[ChunksEmbedded] | None:
-        """Park one batch of a multi-batch document; return all batches once the last has arrived."""
+        """Park one batch of a multi-batch document; return all batches once the last has arrived.
+
+        A batch of a version already committed or superseded is not parked: it is a redelivery after
+        the commit (Kafka delivers at least once) or a straggler of an older version, and it could
+        never complete, so it would stay in ``pending_batches`` for good.
+        """
         header = message.header
         async with self._pool.acquire() as connection, connection.transaction():
+            # Serialises with commit_document and delete_document of the same document (same lock).
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
+            committed = await connection.fetchval("SELECT version FROM documents WHERE id = $1", header.document_id)
+            if committed is not None and committed >= header.version:
+                return None
             await connection.execute(
                 "INSERT INTO pending_batches (document_id, version, batch_index, batch_count, payload) "
                 "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
@@ -189,6 +198,8 @@ class DocumentStore:
         table = await self.embedding_table(model_key, int(vectors.shape[1]))
         ids = [chunk_id(header.document_id, header.version, chunk.ordinal) for chunk in chunks]
         async with self._pool.acquire() as connection, connection.transaction():
+            # So a batch is never parked for a version this transaction is about to supersede.
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
                 " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at)"
@@ -242,6 +253,7 @@ class DocumentStore:
     async def delete_document(self, message: DocumentDeleted) -> IndexOutcome:
         """Replace the document by a tombstone that outranks every older change of it."""
         async with self._pool.acquire() as connection, connection.transaction():
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", message.document_id)
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
                 " version, status) VALUES ($1, $2, $3, '', $4, '', '', $5, 'deleted')"
