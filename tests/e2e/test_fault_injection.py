@@ -55,7 +55,7 @@ from tests.support.services import ServiceProcess
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
 
 DOCUMENTS = 2000
-SEED = int(os.environ.get("RAGSTREAM_FAULT_SEED", "3"))
+SEED = int(os.environ.get("RAGSTREAM_FAULT_SEED", "18"))
 DIMENSION = 64  # small vectors: the fake and pgvector spend less per chunk; delivery is what is tested
 FETCHER = "connector-fetcher"
 CONSUMERS = ("chunker", "embedder", "indexer")
