@@ -136,10 +136,18 @@ class DocumentStore:
         """Park one batch of a multi-batch document; return all batches once the last has arrived.
 
         A batch arriving again replaces the parked one: a replay after a re-index switched models
-        mid-document re-embeds every batch with the new model, and none of the old may stay."""
+        mid-document re-embeds every batch with the new model, and none of the old may stay.
+        A batch of a version already committed or superseded is not parked: it is a redelivery after
+        the commit (Kafka delivers at least once) or a straggler of an older version, and it could
+        never complete, so it would stay in ``pending_batches`` for good.
+        """
         header = message.header
         async with self._pool.acquire() as connection, connection.transaction():
+            # Serialises with commit_document and delete_document of the same document (same lock).
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
+            committed = await connection.fetchval("SELECT version FROM documents WHERE id = $1", header.document_id)
+            if committed is not None and committed >= header.version:
+                return None
             await connection.execute(
                 "INSERT INTO pending_batches (document_id, version, batch_index, batch_count, payload) "
                 "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (document_id, version, batch_index)"
@@ -172,6 +180,8 @@ class DocumentStore:
         async with self._pool.acquire() as connection, connection.transaction():
             # First, so that a re-index switch waits for this commit or this commit for the switch.
             table = await lock_space(connection, model_key, int(vectors.shape[1]))
+            # So a batch is never parked for a version this transaction is about to supersede.
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
                 " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at)"
@@ -225,6 +235,7 @@ class DocumentStore:
     async def delete_document(self, message: DocumentDeleted) -> IndexOutcome:
         """Replace the document by a tombstone that outranks every older change of it."""
         async with self._pool.acquire() as connection, connection.transaction():
+            await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", message.document_id)
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
                 " version, status) VALUES ($1, $2, $3, '', $4, '', '', $5, 'deleted')"
