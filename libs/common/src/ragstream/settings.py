@@ -61,13 +61,13 @@ class Settings(BaseSettings):
     # Defaults tuned on InsuranceQA v2 `valid`, English and Chinese together (docs/retrieval-quality.md).
     rrf_k: Annotated[int, Field(title="RRF k", description="Higher flattens the rank differences.", ge=1)] = 60
     rrf_vector_weight: Annotated[float, Field(title="RRF weight of the vector leg", ge=0)] = 1.0
-    rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 1.0
+    rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 20.0
     bm25_k1: Annotated[
         float, Field(title="BM25 k1 of the keyword leg", description="Term-frequency saturation.", ge=0)
-    ] = 1.2
+    ] = 0.4
     bm25_b: Annotated[
         float, Field(title="BM25 b of the keyword leg", description="Length normalisation.", ge=0, le=1)
-    ] = 0.75
+    ] = 0.6
     bm25_bigram_weight: Annotated[
         float,
         Field(title="Weight of the Chinese character-bigram field in BM25", description="0 ranks by words only.", ge=0),
