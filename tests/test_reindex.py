@@ -12,9 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import httpx
 import numpy as np
 import pytest
@@ -35,6 +33,7 @@ from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents import document_id
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
+from tests.support.connections import private_database
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -97,23 +96,10 @@ class HashEmbedder:
 @pytest.fixture
 async def runtime_db(database_url: str, fake_dashscope: FakeDashScope) -> AsyncIterator[Runtime]:
     """A runtime (local model active) on a database of its own: a switch must not reach other tests."""
-    name = f"reindex_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(database_url)
-    try:
-        await admin.execute(f"CREATE DATABASE {name}")
-    finally:
-        await admin.close()
-    dsn = urlunsplit(urlsplit(database_url)._replace(path=f"/{name}"))
-    settings = Settings(database_url=dsn, embedding=EmbeddingSettings(api_key=fake_dashscope.api_key))
-    try:
+    async with private_database(database_url) as dsn:
+        settings = Settings(database_url=dsn, embedding=EmbeddingSettings(api_key=fake_dashscope.api_key))
         async with open_runtime(settings, dsn) as runtime:
             yield runtime
-    finally:
-        admin = await asyncpg.connect(database_url)
-        try:
-            await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-        finally:
-            await admin.close()
 
 
 def dashscope_spec(fake: FakeDashScope) -> dict[str, object]:

@@ -7,7 +7,6 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import httpx
@@ -25,6 +24,7 @@ from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
 from ragstream.stages.embed import EmbedService
 from ragstream.storage.database import connect_pool
+from tests.support.connections import private_database
 
 pytestmark = pytest.mark.integration
 
@@ -33,19 +33,8 @@ pytestmark = pytest.mark.integration
 async def fresh_dsn(database_url: str) -> AsyncIterator[str]:
     """A database of its own on the test server: claims and the scheduler see every connection of a
     database, so these tests must not share one with the others."""
-    name = f"sync_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(database_url)
-    try:
-        await admin.execute(f"CREATE DATABASE {name}")
-    finally:
-        await admin.close()
-    parts = urlsplit(database_url)
-    yield urlunsplit(parts._replace(path=f"/{name}"))
-    admin = await asyncpg.connect(database_url)
-    try:
-        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-    finally:
-        await admin.close()
+    async with private_database(database_url) as dsn:
+        yield dsn
 
 
 @pytest.fixture

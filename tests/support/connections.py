@@ -41,8 +41,9 @@ async def private_database(database_url: str) -> AsyncIterator[str]:
     admin = await asyncpg.connect(database_url)
     try:
         await admin.execute(f"CREATE DATABASE {name}")
-        parts = urlsplit(database_url)
-        yield urlunsplit(parts._replace(path=f"/{name}"))
-        await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+        try:
+            yield urlunsplit(urlsplit(database_url)._replace(path=f"/{name}"))
+        finally:
+            await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
     finally:
         await admin.close()

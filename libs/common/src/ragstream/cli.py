@@ -50,6 +50,21 @@ def _run(main: Callable[[Runtime], object]) -> object:
     return asyncio.run(runner())
 
 
+def _progress_bar(unit: str) -> Progress:
+    """Counts, rate in ``unit`` per second, elapsed time and ETA; a task's ``rate`` field feeds it."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(f"{{task.fields[rate]:.1f}} {unit}/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
 def _report(report: SyncReport, source: str) -> None:
     p = report.progress
     console.print(
@@ -79,16 +94,7 @@ async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | 
         console.print(f"[bold red]{folder}[/]: {error}")
         return RunOutcome(None, None)
     runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]:.1f} docs/s"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as bar:
+    with _progress_bar("docs") as bar:
         task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
 
         def show(progress: SyncProgress) -> None:
@@ -265,16 +271,7 @@ def reindex(
         except ValueError as error:
             console.print(f"[red]{error}[/]", highlight=False)
             return False
-        columns = (
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]:.1f} chunks/s"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-        )
-        with Progress(*columns, console=console, transient=False) as bar:
+        with _progress_bar("chunks") as bar:
             task = bar.add_task(f"re-index to {target.model_key}", total=None, rate=0.0)
 
             def show(progress: ReindexProgress) -> None:
