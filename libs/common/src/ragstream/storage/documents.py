@@ -49,6 +49,14 @@ class Failure:
     retry_count: int
 
 
+# Failures still open: their version is newer than what is committed (or nothing is). A commit of
+# the same or a newer version resolves a failure even before its row is cleaned up.
+_OPEN_FAILURES = (
+    "document_failures f LEFT JOIN documents d ON d.id = f.document_id"
+    " WHERE (d.version IS NULL OR d.version < f.version)"
+)
+
+
 class DocumentStore:
     """Everything the pipeline stages read and write in PostgreSQL, behind intention-named methods."""
 
@@ -314,9 +322,7 @@ class DocumentStore:
     async def failures(self, connection_id: str | None) -> list[Failure]:
         """The documents whose latest version did not index, of one connection (or all: None)."""
         rows = await self._pool.fetch(
-            "SELECT f.* FROM document_failures f LEFT JOIN documents d ON d.id = f.document_id"
-            " WHERE ($1::text IS NULL OR f.connection_id = $1) AND (d.version IS NULL OR d.version < f.version)"
-            " ORDER BY f.source",
+            f"SELECT f.* FROM {_OPEN_FAILURES} AND ($1::text IS NULL OR f.connection_id = $1) ORDER BY f.source",
             connection_id,
         )
         return [
@@ -341,12 +347,9 @@ class DocumentStore:
         replay; the next sync fetches it again.
         """
         rows = await self._pool.fetch(
-            "SELECT f.header::text AS header, s.version IS NOT NULL AS staged"
-            " FROM document_failures f"
-            " LEFT JOIN documents d ON d.id = f.document_id"
-            " LEFT JOIN staged_documents s ON s.version = f.version"
-            " WHERE ($1::text IS NULL OR f.connection_id = $1) AND (d.version IS NULL OR d.version < f.version)"
-            " ORDER BY f.version",
+            "SELECT f.header::text AS header,"
+            " EXISTS (SELECT 1 FROM staged_documents s WHERE s.version = f.version) AS staged"
+            f" FROM {_OPEN_FAILURES} AND ($1::text IS NULL OR f.connection_id = $1) ORDER BY f.version",
             connection_id,
         )
         headers = [DocumentHeader.model_validate_json(row["header"]) for row in rows if row["staged"] and row["header"]]
@@ -356,9 +359,8 @@ class DocumentStore:
         """True while this version is still the document's failing one and its content is staged."""
         return bool(
             await self._pool.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM document_failures f JOIN staged_documents s ON s.version = f.version"
-                " LEFT JOIN documents d ON d.id = f.document_id"
-                " WHERE f.document_id = $1 AND f.version = $2 AND (d.version IS NULL OR d.version < f.version))",
+                f"SELECT EXISTS (SELECT 1 FROM {_OPEN_FAILURES} AND f.document_id = $1 AND f.version = $2"
+                " AND EXISTS (SELECT 1 FROM staged_documents s WHERE s.version = f.version))",
                 header.document_id,
                 header.version,
             )
