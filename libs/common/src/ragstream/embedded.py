@@ -34,7 +34,7 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
     seconds (0: only now) through sync runs, like any connection created over the API."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, stale_timeout_s=settings.sync_stale_timeout_s)
+    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     runner = SyncRunner(
         runs,
         runtime.pipeline,
@@ -98,4 +98,5 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        await runs.aclose()
         await reindexer.aclose()

@@ -69,9 +69,11 @@ def create_app() -> FastAPI:
     state: dict[str, Runtime] = {}
     syncs: dict[str, SyncStatus] = {}
     running: dict[str, asyncio.Task[None]] = {}
+    # One per process: its session owns the runs this fetcher is executing (see SyncRunStore).
+    stores: dict[str, SyncRunStore] = {}
 
     def run_store() -> SyncRunStore:
-        return SyncRunStore(state["runtime"].pool, stale_timeout_s=settings.sync_stale_timeout_s)
+        return stores["runs"]
 
     def run_counts(counts: SyncCounts, *, listing_done: bool = False) -> RunCounts:
         return RunCounts(
@@ -151,6 +153,7 @@ def create_app() -> FastAPI:
         await broker.start()
         async with open_runtime(settings, settings.database_url) as runtime:
             state["runtime"] = runtime
+            stores["runs"] = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
             ticking = asyncio.create_task(timer()) if fetcher.folders and fetcher.interval_s else None
             try:
                 yield
@@ -160,6 +163,7 @@ def create_app() -> FastAPI:
                     task.cancel()
                 # Wait, so cancelled syncs are recorded as failed before the pool closes.
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await stores.pop("runs").aclose()
                 state.clear()
         await broker.stop()
 

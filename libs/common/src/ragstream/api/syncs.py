@@ -122,6 +122,7 @@ def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[
     @router.get("/{connection_id}/status", response_model=ConnectionSyncStatus)
     async def sync_status(connection_id: str) -> ConnectionSyncStatus:
         store = await store_of(connection_id)
+        await store.reap(connection_id)  # a run whose owner died shows Failed, not Syncing
         latest = await store.latest(connection_id)
         if latest is None:
             return ConnectionSyncStatus(connection_id=connection_id, status=None)

@@ -113,8 +113,9 @@ class SyncRunner:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def claim_pending(self) -> list[asyncio.Task[RunOutcome]]:
-        """Fail stale runs, then start every queued run a free slot allows, each in its own task."""
-        await self._runs.fail_stale()
+        """Fail runs whose owner is gone or that went stale, then start every queued run a free slot
+        allows, each in its own task."""
+        await self._runs.reap()
         started = []
         while (run := await self._runs.claim(self._max_concurrent)) is not None:
             task = asyncio.create_task(self.execute(run))
