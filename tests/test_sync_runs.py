@@ -19,6 +19,7 @@ from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import SCHEDULER_LOCK, Scheduler
 from ragstream.embedding.base import Embedder, EmbeddingError, TextKind, Vectors
+from ragstream.failures import StageRetry
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
@@ -344,6 +345,7 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(s
         EmbedService(FlakyEmbedder(shared.embedder)),
         shared.indexer,
         max_document_bytes=shared.settings.max_document_bytes,
+        retry=StageRetry(backoff_s=0.001, backoff_max_s=0.001),  # the guard counts a chunk once retries ran out
     )
     run = await runs.start(connection_id, "api", running=True)
 

@@ -358,6 +358,11 @@ class SyncRunStore:
             "UPDATE connections SET sync_error = $2, updated_at = now() WHERE id = $1", connection_id, error
         )
 
+    async def sync_error(self, connection_id: str) -> str | None:
+        """Why the latest sync failed, if it did, then the documents that did not index by code."""
+        error = await self._pool.fetchval("SELECT connection_sync_error($1)", connection_id)
+        return str(error) if error is not None else None
+
     async def get(self, run_id: int) -> SyncRun | None:
         row = await self._pool.fetchrow("SELECT * FROM sync_runs WHERE id = $1", run_id)
         return SyncRun.from_row(row) if row is not None else None
@@ -396,7 +401,8 @@ class SyncRunStore:
         (or stale) are failed first, so the status never shows a dead sync as syncing."""
         await self.reap()
         rows = await self._pool.fetch(
-            "SELECT c.id AS c_id, c.platform, c.name, c.config, c.rag_enabled, c.schedule_seconds, c.sync_error,"
+            "SELECT c.id AS c_id, c.platform, c.name, c.config, c.rag_enabled, c.schedule_seconds,"
+            " connection_sync_error(c.id) AS sync_error,"
             " r.* FROM connections c LEFT JOIN LATERAL"
             " (SELECT * FROM sync_runs WHERE connection_id = c.id ORDER BY id DESC LIMIT 1) r ON true ORDER BY c.id"
         )
