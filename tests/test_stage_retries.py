@@ -18,10 +18,10 @@ from pydantic import BaseModel
 from ragstream.api.http import create_app
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.folder import FolderConnector
-from ragstream.control.runs import SyncRunStore
+from ragstream.control.runs import Downstream, SyncRunStore
 from ragstream.credentials import CredentialCipher
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
-from ragstream.failures import StageRetry
+from ragstream.failures import StageRetry, classify, record_failure, record_retry
 from ragstream.kafka import create_broker, dead_letters, ensure_topics
 from ragstream.messages import DocumentHeader, Topic
 from ragstream.parsing import ParseError, ParseErrorCode
@@ -140,13 +140,15 @@ def _header(connection_id: str, name: str) -> DocumentHeader:
 
 
 def _failing(times: int, error: Exception, calls: list[str], name: str) -> Callable[[], Awaitable[list[BaseModel]]]:
+    """A lambda returning a coroutine, as the service handlers pass their stage's ``run``."""
+
     async def produce() -> list[BaseModel]:
         calls.append(name)
         if calls.count(name) <= times:
             raise error
         return []
 
-    return produce
+    return lambda: produce()
 
 
 @pytest.mark.kafka
@@ -192,4 +194,24 @@ async def test_a_kafka_stage_retries_before_it_dead_letters(runtime: Runtime, ka
         assert letters == {"outage": ("embedding_unavailable", 2), "binary": ("binary", 0)}
     finally:
         await broker.stop()
+        await runtime.pool.execute("DELETE FROM connections WHERE id = $1", connection)
+
+
+async def test_a_run_waits_for_a_document_a_stage_is_still_retrying(runtime: Runtime) -> None:
+    """What a Kafka-mode run waits for: a failure still being retried is pending, one given up on
+    is failed, and a commit since the run started is indexed."""
+    connection = f"settle-{uuid.uuid4().hex[:8]}"
+    await runtime.store.ensure_connection(connection, "folder", connection, None)
+    runs = SyncRunStore(runtime.pool, runtime.dsn)
+    header = _header(connection, "retried")
+    since = await runtime.pool.fetchval("SELECT now()")
+    unavailable = EmbeddingError("provider unavailable (503)", retryable=True, provider="test")
+    try:
+        await record_retry(runtime.store, header, "embed", unavailable)
+        assert await runs.downstream([header.document_id], since) == Downstream(indexed=0, failed=0, chunks=0)
+        await record_failure(runtime.store, header, "embed", classify(unavailable))
+        given_up = await runs.downstream([header.document_id], since)
+        assert given_up == Downstream(indexed=0, failed=1, chunks=0) and given_up.settled(1)
+        assert not (await runs.downstream([header.document_id, "never-announced"], since)).settled(2)
+    finally:
         await runtime.pool.execute("DELETE FROM connections WHERE id = $1", connection)

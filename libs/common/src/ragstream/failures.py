@@ -93,7 +93,13 @@ class StageRetry:
             before_sleep=before_sleep,
             reraise=True,
         )
-        result: _T = await retrying(work)
+
+        async def attempt() -> _T:
+            # A coroutine function of its own: tenacity awaits only what it sees as one, and ``work``
+            # is often a lambda returning an awaitable.
+            return await work()
+
+        result: _T = await retrying(attempt)
         return result
 
 
@@ -111,5 +117,5 @@ async def record_retry(store: DocumentStore, header: DocumentHeader, step: str, 
     failure = classify(error)
     DOCUMENTS_RETRIED.labels(step, failure.code).inc()
     return await store.record_failure(
-        header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable
+        header, step=step, code=failure.code, message=failure.message, retryable=failure.retryable, retrying=True
     )

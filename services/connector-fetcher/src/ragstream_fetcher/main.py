@@ -5,9 +5,10 @@ the periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, and ends once every diffe
 the source listing and the committed state has been published (and acknowledged by Kafka).
 ``POST /v1/replays`` publishes failed documents (from the failures table or the dead-letter topic)
 to ``doc.changed`` again.
-Each sync is also a row in ``sync_runs`` with the fetch stage's counts, so the database refuses a
-second sync of a connection from any replica and ``ragstream status`` shows it; its status is the
-fetch stage's (ready: everything announced; indexing goes on downstream).
+Each sync is also a row in ``sync_runs``, so the database refuses a second sync of a connection from
+any replica and ``ragstream status`` shows it. The run stays syncing after the announcements until
+the indexer has committed (or a stage has given up on) every announced change: its indexed, failed
+and chunk counts are the committed ones, and ready means searchable.
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import failure_reason
-from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRun, SyncRunStore, Trigger
+from ragstream.control.runs import (
+    Downstream,
+    RagDisabled,
+    RunCounts,
+    RunStatus,
+    SyncInProgress,
+    SyncRun,
+    SyncRunStore,
+    Trigger,
+)
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -75,13 +85,18 @@ def create_app() -> FastAPI:
     def run_store() -> SyncRunStore:
         return stores["runs"]
 
-    def run_counts(counts: SyncCounts, *, listing_done: bool = False) -> RunCounts:
+    def run_counts(
+        counts: SyncCounts, downstream: Downstream | None = None, *, listing_done: bool = False
+    ) -> RunCounts:
+        later = downstream or Downstream(indexed=0, failed=0, chunks=0)
         return RunCounts(
             listed=counts.seen,
             unchanged=counts.unchanged,
             changed=counts.changed,
+            indexed=later.indexed,
             deleted=counts.deleted,
-            failed=counts.failed,
+            failed=counts.failed + later.failed,
+            chunks=later.chunks,
             listing_done=listing_done,
         )
 
@@ -91,8 +106,28 @@ def create_app() -> FastAPI:
         started = last_write = time.monotonic()
         latest = SyncCounts()
 
-        def rate(counts: SyncCounts) -> float:
-            return counts.seen / max(time.monotonic() - started, 1e-9)
+        def rate(counts: SyncCounts, downstream: Downstream | None = None) -> float:
+            """Items done per second: listed while announcing, then unchanged plus indexed or failed."""
+            done = counts.seen if downstream is None else counts.unchanged + downstream.indexed + downstream.failed
+            return done / max(time.monotonic() - started, 1e-9)
+
+        async def settle(counts: SyncCounts) -> Downstream | None:
+            """Wait until every announced change is committed by the indexer or given up on by a stage,
+            writing the run's progress meanwhile (the heartbeat moves only when those counts do, so a
+            stalled pipeline goes stale). None when the run stopped being this sync's (failed elsewhere
+            as stale or ownerless)."""
+            since = run.started_at or run.created_at
+            last: Downstream | None = None
+            while not (downstream := await runs.downstream(counts.changed_ids, since)).settled(len(counts.changed_ids)):
+                status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
+                done = downstream.indexed + downstream.failed
+                eta = (len(counts.changed_ids) - done) / (done / (time.monotonic() - started)) if done else None
+                current = run_counts(counts, downstream, listing_done=True)
+                if not await runs.progress(run.id, current, rate(counts, downstream), eta, moved=downstream != last):
+                    return None
+                last = downstream
+                await asyncio.sleep(settings.sync_progress_interval_s)
+            return downstream
 
         async def observe(counts: SyncCounts) -> None:
             nonlocal last_write, latest
@@ -109,7 +144,14 @@ def create_app() -> FastAPI:
             )
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
-            await runs.finish(run.id, RunStatus.READY, None, run_counts(counts, listing_done=True), rate(counts))
+            downstream = await settle(counts)
+            if downstream is None:
+                ended = await runs.get(run.id)
+                status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
+                return
+            status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
+            final = run_counts(counts, downstream, listing_done=True)
+            await runs.finish(run.id, RunStatus.READY, None, final, rate(counts, downstream))
             status.state = "ready"
         except asyncio.CancelledError:
             await runs.finish(run.id, RunStatus.FAILED, "cancelled: the process stopped", run_counts(latest), None)

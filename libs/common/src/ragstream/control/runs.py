@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -29,6 +29,7 @@ from ragstream.connectors.registry import ConnectionRow
 __all__ = [
     "OWNER_GONE",
     "ConnectionOverview",
+    "Downstream",
     "RagDisabled",
     "RunCounts",
     "RunStatus",
@@ -132,6 +133,20 @@ class SyncRun:
             heartbeat_at=row["heartbeat_at"],
             finished_at=row["finished_at"],
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Downstream:
+    """What the stages after the fetcher did with the changes a sync announced: in Kafka mode the
+    run's indexed, failed and chunk counts come from here."""
+
+    indexed: int
+    failed: int
+    chunks: int
+
+    def settled(self, announced: int) -> bool:
+        """Every announced change is committed or failed for good."""
+        return self.indexed + self.failed >= announced
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +372,26 @@ class SyncRunStore:
         await connection.execute(
             "UPDATE connections SET sync_error = $2, updated_at = now() WHERE id = $1", connection_id, error
         )
+
+    async def downstream(self, document_ids: Sequence[str], since: datetime) -> Downstream:
+        """Of these documents (a sync's announced changes): how many have committed since ``since``
+        (the run's start, on the database clock) and with how many chunks, and how many failed for
+        good since then. A commit after the start is of the announced version or a newer one; a
+        failure a stage is still retrying counts as neither, and so does an older version committed
+        while the announced one is failing (an open failure is of a version newer than the commit)."""
+        row = await self._pool.fetchrow(
+            "SELECT count(*) FILTER (WHERE committed) AS indexed,"
+            " coalesce(sum(d.chunk_count) FILTER (WHERE committed), 0) AS chunks,"
+            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying AND f.failed_at >= $2) AS failed"
+            " FROM unnest($1::text[]) AS announced (id)"
+            " LEFT JOIN documents d ON d.id = announced.id"
+            " LEFT JOIN open_document_failures f ON f.document_id = announced.id,"
+            " LATERAL (SELECT d.status = 'indexed' AND d.indexed_at >= $2 AND f.document_id IS NULL AS committed) c",
+            list(document_ids),
+            since,
+        )
+        assert row is not None
+        return Downstream(indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"])
 
     async def sync_error(self, connection_id: str) -> str | None:
         """Why the latest sync failed, if it did, then the documents that did not index by code."""

@@ -284,14 +284,16 @@ class DocumentStore:
         return committed is not None and committed >= version
 
     async def record_failure(
-        self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool
+        self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool, retrying: bool = False
     ) -> Failure:
-        """Record why a version did not index; the retry count grows while the same version keeps failing."""
+        """Record why a version did not index; the retry count grows while the same version keeps failing.
+        ``retrying``: a stage is about to try it again (not given up on yet)."""
         row = await self._pool.fetchrow(
             "INSERT INTO document_failures"
-            " (document_id, connection_id, source, version, step, code, message, retryable, header)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)"
+            " (document_id, connection_id, source, version, step, code, message, retryable, header, retrying)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10)"
             " ON CONFLICT (document_id) DO UPDATE SET source = EXCLUDED.source, step = EXCLUDED.step,"
+            " retrying = EXCLUDED.retrying,"
             " code = EXCLUDED.code, message = EXCLUDED.message, retryable = EXCLUDED.retryable, failed_at = now(),"
             " header = EXCLUDED.header,"
             " retry_count = CASE WHEN document_failures.version = EXCLUDED.version"
@@ -306,6 +308,7 @@ class DocumentStore:
             message[:2000],
             retryable,
             header.model_dump_json(),
+            retrying,
         )
         assert row is not None
         return Failure(

@@ -1,3 +1,7 @@
+-- True while a stage is still retrying the failure (a transient error, attempts left); false once it
+-- gave up (recorded for good, dead-lettered). A sync waits for the former, not for the latter.
+ALTER TABLE document_failures ADD COLUMN retrying boolean NOT NULL DEFAULT false;
+
 -- Failures still open: their version is newer than what is committed (or nothing is). A commit of
 -- the same or a newer version resolves a failure even before its row is cleaned up. The one
 -- definition shared by the failure report, replay and a connection's sync_error summary.
