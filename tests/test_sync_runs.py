@@ -252,6 +252,9 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: 
     assert outcome.run is None and outcome.report is None
     stale = await runs.get(hung.id)
     assert stale is not None and stale.status is RunStatus.FAILED and (stale.reason or "").startswith("stale: ")
+    owner_locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND objid::bigint = $1"
+    assert await shared.pool.fetchval(owner_locks, hung.id) == 0  # released, not kept until the process ends
+    assert await shared.pool.fetchval(owner_locks, replacement.id) == 1
 
     task = asyncio.create_task(runner.execute(replacement))
     await runs.written(len(runs.writes) + 1)

@@ -248,7 +248,9 @@ async def test_dead_letters_replayed_once_their_cause_is_fixed(
     connection = await asyncpg.connect(database_url)
     try:
         await connection.execute(
-            "INSERT INTO connections (id, platform, name, config) VALUES ($1, 'folder', 'dead', $2::jsonb)",
+            # Synced on request only: the fetchers' scheduler must not take it first.
+            "INSERT INTO connections (id, platform, name, config, schedule_seconds)"
+            " VALUES ($1, 'folder', 'dead', $2::jsonb, 0)",
             connection_id,
             '{"chunking": {"kind": "no-such-chunker"}}',
         )

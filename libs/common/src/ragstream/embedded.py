@@ -91,7 +91,11 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     background = [asyncio.create_task(runner.serve())]
     if settings.scheduler_enabled:
-        background.append(asyncio.create_task(Scheduler(runtime.dsn, runs, on_enqueued=runner.wake).run()))
+        background.append(
+            asyncio.create_task(
+                Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
+            )
+        )
     try:
         await server.serve()
     finally:

@@ -151,6 +151,9 @@ class Settings(BaseSettings):
             description="Each connection's schedule_seconds; one replica leads through an advisory lock.",
         ),
     ] = True
+    scheduler_interval_s: Annotated[
+        float, Field(title="Seconds between scheduler steps", description="How soon a due sync is queued.", gt=0)
+    ] = 30
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)

@@ -1,8 +1,10 @@
-"""connector-fetcher service: an HTTP trigger and a timer that run syncs, publishing to Kafka.
+"""connector-fetcher service: an HTTP trigger, a timer and the scheduler that run syncs, publishing to Kafka.
 
-The fetcher is the only stage with no input topic: a sync starts from ``POST /v1/syncs`` or from
-the periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, and ends once every difference between
-the source listing and the committed state has been published (and acknowledged by Kafka).
+The fetcher is the only stage with no input topic: a sync starts from ``POST /v1/syncs``, from the
+periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, or from the scheduler (each connection's
+``schedule_seconds``; one leader across replicas, every replica claims queued runs within
+``RAGSTREAM_MAX_CONCURRENT_SYNCS``; off with ``RAGSTREAM_SCHEDULER_ENABLED=false``). It announces
+every difference between the source listing and the committed state (acknowledged by Kafka).
 ``POST /v1/replays`` publishes failed documents (from the failures table or the dead-letter topic)
 to ``doc.changed`` again.
 Each sync is also a row in ``sync_runs``, so the database refuses a second sync of a connection from
@@ -14,6 +16,7 @@ and chunk counts are the committed ones, and ready means searchable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,14 +25,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
+import asyncpg
 from fastapi import FastAPI, HTTPException, Response
 from prometheus_client import make_asgi_app
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.connectors.base import Connector
 from ragstream.connectors.folder import FolderConnector
-from ragstream.connectors.registry import register_folder
+from ragstream.connectors.registry import NoConnector, connector_for, register_folder
 from ragstream.control.runner import failure_reason
 from ragstream.control.runs import (
     Downstream,
@@ -41,6 +46,7 @@ from ragstream.control.runs import (
     SyncRunStore,
     Trigger,
 )
+from ragstream.control.scheduler import Scheduler
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -50,6 +56,9 @@ from ragstream.stages.replay import ReplayService
 __all__ = ["FetcherSettings", "create_app"]
 
 logger = logging.getLogger(__name__)
+
+# Seconds between looks for queued runs when nothing wakes the claimer earlier.
+_CLAIM_POLL_S = 5.0
 
 
 class FetcherSettings(BaseSettings):
@@ -79,6 +88,7 @@ def create_app() -> FastAPI:
     state: dict[str, Runtime] = {}
     syncs: dict[str, SyncStatus] = {}
     running: dict[str, asyncio.Task[None]] = {}
+    wake = asyncio.Event()  # a run was just enqueued: claim now rather than at the next poll
     # One per process: its session owns the runs this fetcher is executing (see SyncRunStore).
     stores: dict[str, SyncRunStore] = {}
 
@@ -100,7 +110,7 @@ def create_app() -> FastAPI:
             listing_done=listing_done,
         )
 
-    async def run_sync(connector: FolderConnector, run: SyncRun) -> None:
+    async def run_sync(connector: Connector, run: SyncRun) -> None:
         status = syncs[connector.connection_id]
         runs = run_store()
         started = last_write = time.monotonic()
@@ -146,6 +156,7 @@ def create_app() -> FastAPI:
             await observe(counts)
             downstream = await settle(counts)
             if downstream is None:
+                await runs.release(run.id)
                 ended = await runs.get(run.id)
                 status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
                 return
@@ -178,6 +189,36 @@ def create_app() -> FastAPI:
         running[connector.connection_id] = asyncio.create_task(run_sync(connector, run))
         return syncs[connector.connection_id]
 
+    async def launch(run: SyncRun) -> None:
+        """Run a claimed run of any connection the fetcher has a connector for."""
+        runs = run_store()
+        row = await runs.connection(run.connection_id)
+        try:
+            if row is None:
+                raise NoConnector(f"connection {run.connection_id} no longer exists")
+            connector = connector_for(row)
+        except NoConnector as error:
+            await runs.finish(run.id, RunStatus.FAILED, str(error), RunCounts(), None)
+            return
+        syncs[run.connection_id] = SyncStatus(connection_id=run.connection_id, state="syncing", counts={})
+        running[run.connection_id] = asyncio.create_task(run_sync(connector, run))
+
+    async def claim_queued() -> None:
+        """Run the queued runs (enqueued by the scheduler leader of any replica) that a free slot
+        allows; the concurrency limit holds across replicas because claims are serialised in the
+        database."""
+        while True:
+            try:
+                runs = run_store()
+                await runs.reap()
+                while (run := await runs.claim(settings.max_concurrent_syncs)) is not None:
+                    await launch(run)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+                logger.warning("claiming sync runs failed, retrying: %s", error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), _CLAIM_POLL_S)
+            wake.clear()
+
     async def timer() -> None:
         while True:
             for folder in fetcher.folders:
@@ -196,11 +237,17 @@ def create_app() -> FastAPI:
         async with open_runtime(settings, settings.database_url) as runtime:
             state["runtime"] = runtime
             stores["runs"] = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
-            ticking = asyncio.create_task(timer()) if fetcher.folders and fetcher.interval_s else None
+            background = [asyncio.create_task(timer())] if fetcher.folders and fetcher.interval_s else []
+            if settings.scheduler_enabled:
+                # One leader across the fetcher replicas enqueues due connections; every replica claims.
+                scheduler = Scheduler(
+                    runtime.dsn, stores["runs"], interval_s=settings.scheduler_interval_s, on_enqueued=wake.set
+                )
+                background += [asyncio.create_task(scheduler.run()), asyncio.create_task(claim_queued())]
             try:
                 yield
             finally:
-                tasks = [*running.values(), *([ticking] if ticking else [])]
+                tasks = [*background, *running.values()]
                 for task in tasks:
                     task.cancel()
                 # Wait, so cancelled syncs are recorded as failed before the pool closes.

@@ -149,7 +149,8 @@ class SyncRunner:
             except asyncio.CancelledError:
                 if not tracker.abandoned:
                     raise
-                logger.warning("sync run %s was failed as stale elsewhere; stopped", run.id)
+                logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
+                await self._runs.release(run.id)
                 return RunOutcome(None, None)
             finally:
                 writer.cancel()

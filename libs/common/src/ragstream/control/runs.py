@@ -240,6 +240,11 @@ class SyncRunStore:
     async def aclose(self) -> None:
         await self._owner.close()
 
+    async def release(self, run_id: int) -> None:
+        """Stop owning a run that ended without ``finish`` (failed elsewhere as stale): its lock
+        would otherwise stay with this session until the process ends."""
+        await self._owner.release(run_id)
+
     async def connection(self, connection_id: str) -> ConnectionRow | None:
         row = await self._pool.fetchrow(
             "SELECT id, platform, name, config FROM connections WHERE id = $1", connection_id
