@@ -49,11 +49,17 @@ def test_ingest_reports_progress_and_failures_then_search(database_url: str, cor
     mine = next(
         row for row in json.loads(status.stdout) if row["connection_id"] == FolderConnector(corpus).connection_id
     )
-    assert (mine["status"], mine["trigger"], mine["platform"], mine["last_error"]) == ("Ready", "cli", "folder", None)
+    # The sync itself completed; the last error summarises the document that did not index.
+    assert (mine["status"], mine["trigger"], mine["platform"], mine["last_error"]) == (
+        "Ready",
+        "cli",
+        "folder",
+        "1 document failed: 1 binary",
+    )
     assert (mine["listed"], mine["unchanged"], mine["indexed"], mine["failed"]) == (3, 2, 0, 1)
     assert mine["listing_done"] and mine["finished_at"] is not None
     table = run(["status"], env)
-    assert table.returncode == 0 and "Ready" in table.stdout
+    assert table.returncode == 0 and "Ready" in table.stdout and "1 document failed: 1 binary" in table.stdout
 
     found = run(["search", "quillwhistle pager handover", "--json", "--top-k", "3"], env)
     assert found.returncode == 0, found.stderr

@@ -19,6 +19,7 @@ from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import SCHEDULER_LOCK, Scheduler
 from ragstream.embedding.base import Embedder, EmbeddingError, TextKind, Vectors
+from ragstream.failures import StageRetry
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
@@ -47,6 +48,15 @@ async def pool(fresh_dsn: str) -> AsyncIterator[asyncpg.Pool]:
 
 
 @pytest.fixture
+async def runs(pool: asyncpg.Pool, fresh_dsn: str) -> AsyncIterator[SyncRunStore]:
+    store = SyncRunStore(pool, fresh_dsn)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
 async def shared(runtime: Runtime) -> AsyncIterator[Runtime]:
     """The session's runtime; the connections a test adds are deleted after it with their documents,
     so the corpus statistics of BM25 that other tests rank by stay as they were."""
@@ -61,8 +71,7 @@ async def add_connection(pool: asyncpg.Pool, connection_id: str, platform: str =
         await pool.execute(f"UPDATE connections SET {column} = $2 WHERE id = $1", connection_id, value)
 
 
-async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool) -> None:
-    runs = SyncRunStore(pool)
+async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
     await add_connection(pool, "wiki")
     first = await runs.start("wiki", "api")
     with pytest.raises(SyncInProgress) as queued:
@@ -79,8 +88,7 @@ async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool)
     assert (await runs.start("wiki", "api")).status is RunStatus.QUEUED
 
 
-async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool) -> None:
-    runs = SyncRunStore(pool)
+async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
     await add_connection(pool, "direct-only", rag_enabled=False)
     with pytest.raises(RagDisabled, match="RAG is off"):
         await runs.start("direct-only", "api")
@@ -89,8 +97,8 @@ async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool) -> No
     assert await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id = 'direct-only'") == 0
 
 
-async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool) -> None:
-    runs = SyncRunStore(pool, stale_timeout_s=1800)
+async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool, fresh_dsn: str) -> None:
+    runs = SyncRunStore(pool, fresh_dsn, stale_timeout_s=1800)
     await add_connection(pool, "wiki")
     old = await runs.start("wiki", "api")
     assert await runs.claim(2) is not None
@@ -110,10 +118,10 @@ async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg
     assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'wiki'") == failed.reason
     # The stale run's process finishing late does not revive it.
     assert await runs.finish(old.id, RunStatus.READY, None, RunCounts(), None) is None
+    await runs.aclose()
 
 
-async def test_runs_over_the_concurrency_limit_stay_queued(pool: asyncpg.Pool) -> None:
-    runs = SyncRunStore(pool)
+async def test_runs_over_the_concurrency_limit_stay_queued(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
     for name in ("a", "b", "c"):
         await add_connection(pool, name)
         await runs.start(name, "schedule")
@@ -139,8 +147,8 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
     await add_connection(pool, "disabled", status="disabled")
     await add_connection(pool, "manual", schedule_seconds=0)
     other_pool = await connect_pool(fresh_dsn)
-    leader = Scheduler(fresh_dsn, SyncRunStore(pool))
-    follower = Scheduler(fresh_dsn, SyncRunStore(other_pool))
+    leader = Scheduler(fresh_dsn, SyncRunStore(pool, fresh_dsn))
+    follower = Scheduler(fresh_dsn, SyncRunStore(other_pool, fresh_dsn))
     try:
         enqueued = await leader.step()
         assert [run.connection_id for run in enqueued] == ["due"]
@@ -175,8 +183,8 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
 class RecordingRunStore(SyncRunStore):
     """Keeps every progress write, to show the row moves while the sync runs."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        super().__init__(pool)
+    def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
+        super().__init__(pool, dsn)
         self.writes: list[RunCounts] = []
         self.statuses: list[str] = []
         self._wrote = asyncio.Event()
@@ -200,7 +208,7 @@ class RecordingRunStore(SyncRunStore):
 async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, corpus: Path) -> None:
     for index in range(300):
         (corpus / f"note-{index:03}.md").write_text(f"# Note {index}\n\nSmall note number {index} about ferns.\n")
-    runs = RecordingRunStore(shared.pool)
+    runs = RecordingRunStore(shared.pool, shared.dsn)
     connection_id = await register_folder(shared.store, corpus)
     run = await runs.start(connection_id, "cli", running=True)
     assert run.status is RunStatus.SYNCING
@@ -217,6 +225,7 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, co
     assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)
     assert set(runs.statuses) == {"syncing"}
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
+    await runs.aclose()
 
 
 class HungPipeline:
@@ -227,7 +236,7 @@ class HungPipeline:
 
 
 async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: Runtime, corpus: Path) -> None:
-    runs = RecordingRunStore(shared.pool)
+    runs = RecordingRunStore(shared.pool, shared.dsn)
     connection_id = await register_folder(shared.store, corpus)
     runner = SyncRunner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
     hung = await runs.start(connection_id, "api", running=True)
@@ -243,6 +252,9 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: 
     assert outcome.run is None and outcome.report is None
     stale = await runs.get(hung.id)
     assert stale is not None and stale.status is RunStatus.FAILED and (stale.reason or "").startswith("stale: ")
+    owner_locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND objid::bigint = $1"
+    assert await shared.pool.fetchval(owner_locks, hung.id) == 0  # released, not kept until the process ends
+    assert await shared.pool.fetchval(owner_locks, replacement.id) == 1
 
     task = asyncio.create_task(runner.execute(replacement))
     await runs.written(len(runs.writes) + 1)
@@ -252,10 +264,11 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: 
     cancelled = await runs.get(replacement.id)
     assert cancelled is not None
     assert (cancelled.status, cancelled.reason) == (RunStatus.FAILED, "cancelled: the process stopped")
+    await runs.aclose()
 
 
 async def test_a_failing_connector_fails_the_run_with_its_reason(shared: Runtime, tmp_path: Path) -> None:
-    runs = SyncRunStore(shared.pool)
+    runs = SyncRunStore(shared.pool, shared.dsn)
     runner = SyncRunner(runs, shared.pipeline)
     platform_id = f"feishu-{uuid.uuid4().hex[:8]}"
     await shared.store.ensure_connection(platform_id, "feishu", "Team wiki")
@@ -274,6 +287,7 @@ async def test_a_failing_connector_fails_the_run_with_its_reason(shared: Runtime
         assert (outcome.run.status, outcome.run.reason) == (RunStatus.FAILED, reason)
         assert await runs.active(connection_id) is None
         assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == reason
+    await runs.aclose()
 
 
 class FlakyEmbedder:
@@ -306,7 +320,7 @@ class FlakyEmbedder:
 async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(shared: Runtime, corpus: Path) -> None:
     for index in range(36):
         (corpus / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nThe heronwick ledger entry {index} is filed.\n")
-    runs = SyncRunStore(shared.pool)
+    runs = SyncRunStore(shared.pool, shared.dsn)
     connection_id = await register_folder(shared.store, corpus)
     first = await SyncRunner(runs, shared.pipeline).execute(await runs.start(connection_id, "cli", running=True))
     assert first.run is not None and first.run.status is RunStatus.READY
@@ -334,6 +348,7 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(s
         EmbedService(FlakyEmbedder(shared.embedder)),
         shared.indexer,
         max_document_bytes=shared.settings.max_document_bytes,
+        retry=StageRetry(backoff_s=0.001, backoff_max_s=0.001),  # the guard counts a chunk once retries ran out
     )
     run = await runs.start(connection_id, "api", running=True)
 
@@ -349,6 +364,7 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(s
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == (
         failed.reason
     )
+    await runs.aclose()
 
 
 async def ready() -> bool:
@@ -358,7 +374,7 @@ async def ready() -> bool:
 async def test_the_sync_routes(shared: Runtime, corpus: Path) -> None:
     (corpus / "a.md").write_text("# A\n\nText.\n")
     connection_id = await register_folder(shared.store, corpus)
-    runs = SyncRunStore(shared.pool)
+    runs = SyncRunStore(shared.pool, shared.dsn)
     woken: list[bool] = []
     app = create_app(
         lambda: shared.retriever, ready=ready, routers=[sync_router(lambda: runs, lambda: woken.append(True))]
@@ -384,3 +400,4 @@ async def test_the_sync_routes(shared: Runtime, corpus: Path) -> None:
         assert (status["progress"]["listed"], status["progress"]["failed"], status["progress"]["rate"]) == (1, 1, 0.5)
         listed = (await client.get(f"/v1/connections/{connection_id}/syncs")).json()
         assert [run["id"] for run in listed] == [started.json()["id"]]
+    await runs.aclose()

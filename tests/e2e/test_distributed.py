@@ -52,9 +52,13 @@ def services(
             process.stop()
 
 
-def trigger_sync(fetcher: ServiceProcess, folder: Path) -> None:
+def trigger_sync(fetcher: ServiceProcess, folder: Path, *, wait: bool = True) -> None:
+    """Start a sync and, with ``wait``, return once it is ready: every change it announced is
+    committed by the indexer or given up on."""
     response = httpx.post(f"{fetcher.url}/v1/syncs", json={"path": str(folder)}, timeout=10)
     assert response.status_code == 202, response.text
+    if not wait:
+        return
     connection = FolderConnector(folder).connection_id
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -63,7 +67,7 @@ def trigger_sync(fetcher: ServiceProcess, folder: Path) -> None:
             assert status["state"] == "ready", status
             return
         time.sleep(0.2)
-    raise TimeoutError("the fetcher did not finish announcing the sync")
+    raise TimeoutError("the sync did not end within 60 s")
 
 
 def search(retriever: ServiceProcess, folder: Path, query: str) -> list[dict[str, object]]:
@@ -90,12 +94,13 @@ def found(retriever: ServiceProcess, folder: Path, term: str) -> list[str]:
     return [str(r["source"]) for r in search(retriever, folder, term) if term in str(r["text"])]
 
 
-async def fetch_runs(database_url: str, folder: Path) -> list[tuple[str, str, int, int, int]]:
-    """(trigger, status, listed, changed, deleted) of the folder's sync runs, oldest first."""
+async def fetch_runs(database_url: str, folder: Path) -> list[tuple[str, str, int, int, int, int, int]]:
+    """(trigger, status, listed, changed, deleted, indexed, failed) of the folder's sync runs, oldest first."""
     connection = await asyncpg.connect(database_url)
     try:
         rows = await connection.fetch(
-            "SELECT trigger, status, listed, changed, deleted FROM sync_runs WHERE connection_id = $1 ORDER BY id",
+            "SELECT trigger, status, listed, changed, deleted, indexed, failed FROM sync_runs"
+            " WHERE connection_id = $1 ORDER BY id",
             FolderConnector(folder).connection_id,
         )
     finally:
@@ -138,10 +143,11 @@ def test_ingest_edit_delete_through_kafka(
     (folder / "beta.md").unlink()
     trigger_sync(fetcher, folder)
     wait_until(lambda: found(retriever, folder, "值班交接") == [], what="deletion indexed")
+    # Each run counts what the indexer committed, not only what the fetcher announced.
     assert asyncio.run(fetch_runs(database_url, folder)) == [
-        ("api", "ready", 2, 2, 0),
-        ("api", "ready", 2, 1, 0),
-        ("api", "ready", 1, 0, 1),
+        ("api", "ready", 2, 2, 0, 2, 0),
+        ("api", "ready", 2, 1, 0, 1, 0),
+        ("api", "ready", 1, 0, 1, 0, 0),
     ]
 
 
@@ -194,7 +200,8 @@ async def test_crash_between_output_and_offset_commit_loses_nothing(
         stage, {**service_env, "RAGSTREAM_CRASH_AT": point, "RAGSTREAM_CRASH_AFTER": "3"}, tmp_path
     )
     crashing.start(timeout=120)
-    trigger_sync(services["connector-fetcher"], folder)
+    # Not waiting: the sync cannot be ready before the crashed stage is back.
+    trigger_sync(services["connector-fetcher"], folder, wait=False)
     assert crashing.wait_exit(timeout=120) == 86, crashing.tail()
     services[stage] = ServiceProcess(stage, service_env, tmp_path).start(timeout=120)
 
@@ -241,16 +248,19 @@ async def test_dead_letters_replayed_once_their_cause_is_fixed(
     connection = await asyncpg.connect(database_url)
     try:
         await connection.execute(
-            "INSERT INTO connections (id, platform, name, config) VALUES ($1, 'folder', 'dead', $2::jsonb)",
+            # Synced on request only: the fetchers' scheduler must not take it first.
+            "INSERT INTO connections (id, platform, name, config, schedule_seconds)"
+            " VALUES ($1, 'folder', 'dead', $2::jsonb, 0)",
             connection_id,
             '{"chunking": {"kind": "no-such-chunker"}}',
         )
         trigger_sync(services["connector-fetcher"], folder)
-        deadline = time.monotonic() + 120
-        while (await failed_and_indexed(database_url, folder))[0] != sources:
-            assert time.monotonic() < deadline, "documents were not dead-lettered"
-            await asyncio.sleep(0.5)
-        assert (await failed_and_indexed(database_url, folder))[1] == set()
+        # Ready once every document was dead-lettered: the run and the connection say so.
+        assert (await failed_and_indexed(database_url, folder)) == (sources, set())
+        assert [run[1:] for run in await fetch_runs(database_url, folder)] == [("ready", 5, 5, 0, 0, 5)]
+        assert await connection.fetchval("SELECT connection_sync_error($1)", connection_id) == (
+            "5 documents failed: 5 ValueError"
+        )
         await connection.execute("UPDATE connections SET config = config - 'chunking' WHERE id = $1", connection_id)
     finally:
         await connection.close()

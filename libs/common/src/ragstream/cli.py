@@ -83,34 +83,37 @@ async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | 
 
     ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, stale_timeout_s=settings.sync_stale_timeout_s)
-    connection_id = await register_folder(runtime.store, folder, config)
+    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     try:
-        run = await runs.start(connection_id, "cli", running=True)
-    except SyncInProgress:
-        console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
-        return RunOutcome(None, None)
-    except RagDisabled as error:
-        console.print(f"[bold red]{folder}[/]: {error}")
-        return RunOutcome(None, None)
-    runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
-    with _progress_bar("docs") as bar:
-        task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
+        connection_id = await register_folder(runtime.store, folder, config)
+        try:
+            run = await runs.start(connection_id, "cli", running=True)
+        except SyncInProgress:
+            console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
+            return RunOutcome(None, None)
+        except RagDisabled as error:
+            console.print(f"[bold red]{folder}[/]: {error}")
+            return RunOutcome(None, None)
+        runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
+        with _progress_bar("docs") as bar:
+            task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
 
-        def show(progress: SyncProgress) -> None:
-            bar.update(
-                task,
-                total=progress.listed if progress.listing_done or progress.listed else None,
-                completed=progress.done,
-                rate=progress.rate,
-            )
+            def show(progress: SyncProgress) -> None:
+                bar.update(
+                    task,
+                    total=progress.listed if progress.listing_done or progress.listed else None,
+                    completed=progress.done,
+                    rate=progress.rate,
+                )
 
-        outcome = await runner.execute(run, show)
-    if outcome.report is not None:
-        _report(outcome.report, str(folder))
-    elif outcome.run is not None:
-        console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.reason}")
-    return outcome
+            outcome = await runner.execute(run, show)
+        if outcome.report is not None:
+            _report(outcome.report, str(folder))
+        elif outcome.run is not None:
+            console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.reason}")
+        return outcome
+    finally:
+        await runs.aclose()  # ends this process's ownership of the run, if still held
 
 
 def _chunking_config(
@@ -349,7 +352,7 @@ def status(
         async with resolve_database(settings) as dsn:
             pool = await connect_pool(dsn, max_size=2)
             try:
-                return await SyncRunStore(pool).overview()
+                return await SyncRunStore(pool, dsn).overview()
             finally:
                 await pool.close()
 

@@ -34,7 +34,7 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
     seconds (0: only now) through sync runs, like any connection created over the API."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, stale_timeout_s=settings.sync_stale_timeout_s)
+    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     runner = SyncRunner(
         runs,
         runtime.pipeline,
@@ -91,11 +91,16 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     background = [asyncio.create_task(runner.serve())]
     if settings.scheduler_enabled:
-        background.append(asyncio.create_task(Scheduler(runtime.dsn, runs, on_enqueued=runner.wake).run()))
+        background.append(
+            asyncio.create_task(
+                Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
+            )
+        )
     try:
         await server.serve()
     finally:
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
+        await runs.aclose()
         await reindexer.aclose()

@@ -158,10 +158,12 @@ class DeadLetter(_Message):
 
     header: DocumentHeader
     step: Annotated[str, Field(title="Stage that failed", description="fetch, chunk, embed or index.")]
-    code: Annotated[str, Field(title="Error code", description="e.g. binary, invalid_utf8, embedding_failed.")]
+    code: Annotated[str, Field(title="Error code", description="e.g. binary, invalid_utf8, embedding_unavailable.")]
     message: Annotated[str, Field(title="Human-readable reason")]
     retryable: Annotated[bool, Field(title="Whether a later retry may succeed")]
-    retry_count: Annotated[int, Field(title="Failures of this version so far")]
+    retry_count: Annotated[
+        int, Field(title="Retries of this version so far", description="In-stage retries and replays.")
+    ]
 
 
 def pack_vectors(vectors: Vectors) -> bytes:

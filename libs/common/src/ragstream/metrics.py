@@ -8,6 +8,7 @@ __all__ = [
     "CONNECTION_CHANGES",
     "CONSUMER_LAG",
     "DOCUMENTS_FAILED",
+    "DOCUMENTS_RETRIED",
     "MESSAGES_IN",
     "MESSAGES_OUT",
     "SEARCH_LATENCY",
@@ -17,6 +18,9 @@ __all__ = [
 MESSAGES_IN = Counter("ragstream_messages_in_total", "Messages consumed", ["stage", "topic"])
 MESSAGES_OUT = Counter("ragstream_messages_out_total", "Messages produced", ["stage", "topic"])
 DOCUMENTS_FAILED = Counter("ragstream_documents_failed_total", "Documents that failed a stage", ["stage", "code"])
+DOCUMENTS_RETRIED = Counter(
+    "ragstream_documents_retried_total", "Transient failures of a document retried within a stage", ["stage", "code"]
+)
 STAGE_LATENCY = Histogram(
     "ragstream_stage_seconds",
     "Time to handle one message in a stage",

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ragstream.connectors.base import Connector
 from ragstream.degradation import EmbeddingDegraded, EmbeddingGuard
-from ragstream.failures import classify, record_failure
+from ragstream.failures import StageRetry, classify, record_failure, record_retry
 from ragstream.messages import DocumentChanged, DocumentDeleted, IndexOutcome
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
@@ -65,6 +65,14 @@ class SyncReport:
         return not self.failures
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """Where the current attempt at a document is: the step a failure is recorded at."""
+
+    step: str = "chunk"
+    chunk_count: int = 0
+
+
 class _QueueSink:
     """Changes go to the workers at once; deletions wait until every change is indexed or failed, so a
     sync stopped by the embedding guard deletes nothing."""
@@ -83,8 +91,10 @@ class _QueueSink:
 class EmbeddedPipeline:
     """Runs a sync to the end: fetch announces changes, workers chunk, embed and index each document.
 
-    Every failure is per document: it is recorded in ``document_failures`` with its step and reason
-    and the other documents go on, unless the embedding service degrades: once more than
+    Every failure is per document: a transient one (provider down, throttled) is retried by
+    ``retry``, each retry counted on the document, and a document that still fails is recorded in
+    ``document_failures`` with its step and reason while the other documents go on, unless the
+    embedding service degrades: once more than
     ``max_unembedded_ratio`` of the chunks come back without a vector, the sync raises
     ``EmbeddingDegraded``. The queue is bounded so a huge folder is not staged faster than it can be
     embedded.
@@ -101,6 +111,7 @@ class EmbeddedPipeline:
         workers: int = 4,
         max_unembedded_ratio: float = 0.8,
         guard_min_chunks: int = 20,
+        retry: StageRetry | None = None,
     ) -> None:
         self._store = store
         self._chunker = chunker
@@ -110,6 +121,7 @@ class EmbeddedPipeline:
         self._workers = workers
         self._max_unembedded_ratio = max_unembedded_ratio
         self._guard_min_chunks = guard_min_chunks
+        self._retry = retry or StageRetry()
 
     async def sync(self, connector: Connector, on_progress: Callable[[SyncProgress], None] | None = None) -> SyncReport:
         progress = SyncProgress()
@@ -191,23 +203,31 @@ class EmbeddedPipeline:
             guard.check()
 
     async def _index(self, message: DocumentChanged, progress: SyncProgress, guard: EmbeddingGuard) -> bool:
-        """Chunk, embed and commit one document; its chunks count as embedded or not for the guard."""
-        step = "chunk"
-        chunk_count = 0
-        try:
+        """Chunk, embed and commit one document, retrying it whole on a transient failure; its chunks
+        count as embedded or not for the guard once it has indexed or run out of attempts."""
+        attempt = _Attempt()
+
+        async def run() -> None:
+            attempt.step, attempt.chunk_count = "chunk", 0
             batches = await self._chunker.run(message)
-            chunk_count = sum(len(batch.chunks) for batch in batches)
+            attempt.chunk_count = sum(len(batch.chunks) for batch in batches)
             for batch in batches:
-                step = "embed"
+                attempt.step = "embed"
                 embedded = await self._embedder.run(batch)
-                step = "index"
+                attempt.step = "index"
                 indexed = await self._indexer.run(embedded)
                 if indexed is not None:
                     progress.chunks += indexed.chunk_count
-            guard.record(embedded=chunk_count)
+
+        async def retrying(error: Exception) -> None:
+            await record_retry(self._store, message.header, attempt.step, error)
+
+        try:
+            await self._retry.run(run, retrying)
+            guard.record(embedded=attempt.chunk_count)
             return True
         except Exception as error:  # one document's failure must not stop the sync; it is recorded
-            if step == "embed":
-                guard.record(failed=chunk_count)
-            await record_failure(self._store, message.header, step, classify(error))
+            if attempt.step == "embed":
+                guard.record(failed=attempt.chunk_count)
+            await record_failure(self._store, message.header, attempt.step, classify(error))
         return False

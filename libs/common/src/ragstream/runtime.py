@@ -12,6 +12,7 @@ from ragstream.chunking import MarkdownChunking
 from ragstream.embedding import Embedder, create_embedder
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
 from ragstream.embedding.spaces import ActiveSpace
+from ragstream.failures import StageRetry
 from ragstream.parsing import Parser
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.reindex import Reindexer
@@ -53,8 +54,17 @@ class Runtime:
 
     def pipeline(self) -> EmbeddedPipeline:
         return EmbeddedPipeline(
-            self.store, self.chunker, self.embed, self.indexer, max_document_bytes=self.settings.max_document_bytes
+            self.store,
+            self.chunker,
+            self.embed,
+            self.indexer,
+            max_document_bytes=self.settings.max_document_bytes,
+            retry=self.stage_retry(),
         )
+
+    def stage_retry(self) -> StageRetry:
+        retry = self.settings.stage_retry
+        return StageRetry(attempts=retry.attempts, backoff_s=retry.backoff_s, backoff_max_s=retry.backoff_max_s)
 
     def reindexer(self) -> Reindexer:
         return Reindexer(SpaceStore(self.pool), self.spaces)

@@ -22,7 +22,7 @@ from faststream.kafka import KafkaBroker
 from prometheus_client import make_asgi_app
 from pydantic import BaseModel
 
-from ragstream.failures import classify, record_failure
+from ragstream.failures import classify, is_transient, record_failure, record_retry
 from ragstream.faults import crash_point
 from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
 from ragstream.messages import DeadLetter, DocumentHeader, Topic
@@ -66,12 +66,18 @@ class ServiceContext:
         produce: Callable[[], Awaitable[Sequence[BaseModel]]],
         produced: Topic,
     ) -> None:
-        """One message of a stage: run it, publish its outputs (each acknowledged by Kafka) or record
-        its failure; the handler returns only then, so the offset is committed after durable output."""
+        """One message of a stage: run it (retrying a transient failure with backoff, each retry
+        counted on the document), publish its outputs (each acknowledged by Kafka) or record its
+        failure and dead-letter it; the handler returns only then, so the offset is committed after
+        durable output."""
         MESSAGES_IN.labels(self.name, consumed.value).inc()
+
+        async def retrying(error: Exception) -> None:
+            await record_retry(self.runtime.store, header, step, error)
+
         with STAGE_LATENCY.labels(self.name).time():
             try:
-                outputs = await produce()
+                outputs = await self.runtime.stage_retry().run(produce, retrying, _retried_here)
             except Exception as error:
                 await self.fail(header, step, error)
                 return
@@ -98,6 +104,12 @@ class ServiceContext:
             retry_count=recorded.retry_count,
         )
         await self.publish(Topic.DEAD_LETTER, dead, header.document_id)
+
+
+def _retried_here(error: BaseException) -> bool:
+    """Transient document errors are retried in the stage; infrastructure errors are not: the
+    message is redelivered once PostgreSQL or Kafka is back, and nothing is recorded for it."""
+    return is_transient(error) and not isinstance(error, INFRASTRUCTURE_ERRORS)
 
 
 Service = Annotated[ServiceContext, Context("service")]

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ChunkingSettings", "EmbeddingSettings", "Settings"]
+__all__ = ["ChunkingSettings", "EmbeddingSettings", "Settings", "StageRetrySettings"]
 
 
 class ChunkingSettings(BaseSettings):
@@ -21,6 +21,21 @@ class ChunkingSettings(BaseSettings):
     batch_chunks: Annotated[
         int, Field(title="Chunks per Kafka message", description="Keeps messages far below 1 MB.", ge=1)
     ] = 32
+
+
+class StageRetrySettings(BaseSettings):
+    """How a stage retries a document's transient failure (a provider down, throttling) before it
+    gives up on it: the document is then recorded failed and dead-lettered."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_STAGE_RETRY_")
+
+    attempts: Annotated[
+        int, Field(title="Attempts per document", description="1 disables the retries; each retry is counted.", ge=1)
+    ] = 3
+    backoff_s: Annotated[
+        float, Field(title="First wait between attempts", description="Doubles on each retry, with jitter.", ge=0)
+    ] = 1.0
+    backoff_max_s: Annotated[float, Field(title="Longest wait between attempts", ge=0)] = 30.0
 
 
 class EmbeddingSettings(BaseSettings):
@@ -136,7 +151,11 @@ class Settings(BaseSettings):
             description="Each connection's schedule_seconds; one replica leads through an advisory lock.",
         ),
     ] = True
+    scheduler_interval_s: Annotated[
+        float, Field(title="Seconds between scheduler steps", description="How soon a due sync is queued.", gt=0)
+    ] = 30
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
+    stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
 
     def dashscope_key(self) -> SecretStr | None:

@@ -1,18 +1,22 @@
-"""connector-fetcher service: an HTTP trigger and a timer that run syncs, publishing to Kafka.
+"""connector-fetcher service: an HTTP trigger, a timer and the scheduler that run syncs, publishing to Kafka.
 
-The fetcher is the only stage with no input topic: a sync starts from ``POST /v1/syncs`` or from
-the periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, and ends once every difference between
-the source listing and the committed state has been published (and acknowledged by Kafka).
+The fetcher is the only stage with no input topic: a sync starts from ``POST /v1/syncs``, from the
+periodic timer over ``RAGSTREAM_FETCHER_FOLDERS``, or from the scheduler (each connection's
+``schedule_seconds``; one leader across replicas, every replica claims queued runs within
+``RAGSTREAM_MAX_CONCURRENT_SYNCS``; off with ``RAGSTREAM_SCHEDULER_ENABLED=false``). It announces
+every difference between the source listing and the committed state (acknowledged by Kafka).
 ``POST /v1/replays`` publishes failed documents (from the failures table or the dead-letter topic)
 to ``doc.changed`` again.
-Each sync is also a row in ``sync_runs`` with the fetch stage's counts, so the database refuses a
-second sync of a connection from any replica and ``ragstream status`` shows it; its status is the
-fetch stage's (ready: everything announced; indexing goes on downstream).
+Each sync is also a row in ``sync_runs``, so the database refuses a second sync of a connection from
+any replica and ``ragstream status`` shows it. The run stays syncing after the announcements until
+the indexer has committed (or a stage has given up on) every announced change: its indexed, failed
+and chunk counts are the committed ones, and ready means searchable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,16 +25,28 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
+import asyncpg
 from fastapi import FastAPI, HTTPException, Response
 from prometheus_client import make_asgi_app
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.connectors.base import Connector
 from ragstream.connectors.folder import FolderConnector
-from ragstream.connectors.registry import register_folder
+from ragstream.connectors.registry import NoConnector, connector_for, register_folder
 from ragstream.control.runner import failure_reason
-from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRun, SyncRunStore, Trigger
+from ragstream.control.runs import (
+    Downstream,
+    RagDisabled,
+    RunCounts,
+    RunStatus,
+    SyncInProgress,
+    SyncRun,
+    SyncRunStore,
+    Trigger,
+)
+from ragstream.control.scheduler import Scheduler
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -40,6 +56,9 @@ from ragstream.stages.replay import ReplayService
 __all__ = ["FetcherSettings", "create_app"]
 
 logger = logging.getLogger(__name__)
+
+# Seconds between looks for queued runs when nothing wakes the claimer earlier.
+_CLAIM_POLL_S = 5.0
 
 
 class FetcherSettings(BaseSettings):
@@ -69,28 +88,56 @@ def create_app() -> FastAPI:
     state: dict[str, Runtime] = {}
     syncs: dict[str, SyncStatus] = {}
     running: dict[str, asyncio.Task[None]] = {}
+    wake = asyncio.Event()  # a run was just enqueued: claim now rather than at the next poll
+    # One per process: its session owns the runs this fetcher is executing (see SyncRunStore).
+    stores: dict[str, SyncRunStore] = {}
 
     def run_store() -> SyncRunStore:
-        return SyncRunStore(state["runtime"].pool, stale_timeout_s=settings.sync_stale_timeout_s)
+        return stores["runs"]
 
-    def run_counts(counts: SyncCounts, *, listing_done: bool = False) -> RunCounts:
+    def run_counts(
+        counts: SyncCounts, downstream: Downstream | None = None, *, listing_done: bool = False
+    ) -> RunCounts:
+        later = downstream or Downstream(indexed=0, failed=0, chunks=0)
         return RunCounts(
             listed=counts.seen,
             unchanged=counts.unchanged,
             changed=counts.changed,
+            indexed=later.indexed,
             deleted=counts.deleted,
-            failed=counts.failed,
+            failed=counts.failed + later.failed,
+            chunks=later.chunks,
             listing_done=listing_done,
         )
 
-    async def run_sync(connector: FolderConnector, run: SyncRun) -> None:
+    async def run_sync(connector: Connector, run: SyncRun) -> None:
         status = syncs[connector.connection_id]
         runs = run_store()
         started = last_write = time.monotonic()
         latest = SyncCounts()
 
-        def rate(counts: SyncCounts) -> float:
-            return counts.seen / max(time.monotonic() - started, 1e-9)
+        def rate(counts: SyncCounts, downstream: Downstream | None = None) -> float:
+            """Items done per second: listed while announcing, then unchanged plus indexed or failed."""
+            done = counts.seen if downstream is None else counts.unchanged + downstream.indexed + downstream.failed
+            return done / max(time.monotonic() - started, 1e-9)
+
+        async def settle(counts: SyncCounts) -> Downstream | None:
+            """Wait until every announced change is committed by the indexer or given up on by a stage,
+            writing the run's progress meanwhile (the heartbeat moves only when those counts do, so a
+            stalled pipeline goes stale). None when the run stopped being this sync's (failed elsewhere
+            as stale or ownerless)."""
+            since = run.started_at or run.created_at
+            last: Downstream | None = None
+            while not (downstream := await runs.downstream(counts.changed_ids, since)).settled(len(counts.changed_ids)):
+                status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
+                done = downstream.indexed + downstream.failed
+                eta = (len(counts.changed_ids) - done) / (done / (time.monotonic() - started)) if done else None
+                current = run_counts(counts, downstream, listing_done=True)
+                if not await runs.progress(run.id, current, rate(counts, downstream), eta, moved=downstream != last):
+                    return None
+                last = downstream
+                await asyncio.sleep(settings.sync_progress_interval_s)
+            return downstream
 
         async def observe(counts: SyncCounts) -> None:
             nonlocal last_write, latest
@@ -107,7 +154,15 @@ def create_app() -> FastAPI:
             )
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
-            await runs.finish(run.id, RunStatus.READY, None, run_counts(counts, listing_done=True), rate(counts))
+            downstream = await settle(counts)
+            if downstream is None:
+                await runs.release(run.id)
+                ended = await runs.get(run.id)
+                status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
+                return
+            status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
+            final = run_counts(counts, downstream, listing_done=True)
+            await runs.finish(run.id, RunStatus.READY, None, final, rate(counts, downstream))
             status.state = "ready"
         except asyncio.CancelledError:
             await runs.finish(run.id, RunStatus.FAILED, "cancelled: the process stopped", run_counts(latest), None)
@@ -134,6 +189,36 @@ def create_app() -> FastAPI:
         running[connector.connection_id] = asyncio.create_task(run_sync(connector, run))
         return syncs[connector.connection_id]
 
+    async def launch(run: SyncRun) -> None:
+        """Run a claimed run of any connection the fetcher has a connector for."""
+        runs = run_store()
+        row = await runs.connection(run.connection_id)
+        try:
+            if row is None:
+                raise NoConnector(f"connection {run.connection_id} no longer exists")
+            connector = connector_for(row)
+        except NoConnector as error:
+            await runs.finish(run.id, RunStatus.FAILED, str(error), RunCounts(), None)
+            return
+        syncs[run.connection_id] = SyncStatus(connection_id=run.connection_id, state="syncing", counts={})
+        running[run.connection_id] = asyncio.create_task(run_sync(connector, run))
+
+    async def claim_queued() -> None:
+        """Run the queued runs (enqueued by the scheduler leader of any replica) that a free slot
+        allows; the concurrency limit holds across replicas because claims are serialised in the
+        database."""
+        while True:
+            try:
+                runs = run_store()
+                await runs.reap()
+                while (run := await runs.claim(settings.max_concurrent_syncs)) is not None:
+                    await launch(run)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+                logger.warning("claiming sync runs failed, retrying: %s", error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), _CLAIM_POLL_S)
+            wake.clear()
+
     async def timer() -> None:
         while True:
             for folder in fetcher.folders:
@@ -151,15 +236,23 @@ def create_app() -> FastAPI:
         await broker.start()
         async with open_runtime(settings, settings.database_url) as runtime:
             state["runtime"] = runtime
-            ticking = asyncio.create_task(timer()) if fetcher.folders and fetcher.interval_s else None
+            stores["runs"] = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
+            background = [asyncio.create_task(timer())] if fetcher.folders and fetcher.interval_s else []
+            if settings.scheduler_enabled:
+                # One leader across the fetcher replicas enqueues due connections; every replica claims.
+                scheduler = Scheduler(
+                    runtime.dsn, stores["runs"], interval_s=settings.scheduler_interval_s, on_enqueued=wake.set
+                )
+                background += [asyncio.create_task(scheduler.run()), asyncio.create_task(claim_queued())]
             try:
                 yield
             finally:
-                tasks = [*running.values(), *([ticking] if ticking else [])]
+                tasks = [*background, *running.values()]
                 for task in tasks:
                     task.cancel()
                 # Wait, so cancelled syncs are recorded as failed before the pool closes.
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await stores.pop("runs").aclose()
                 state.clear()
         await broker.stop()
 

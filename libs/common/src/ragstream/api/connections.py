@@ -159,7 +159,14 @@ class ConnectionView(BaseModel):
     credential_fields: Annotated[
         list[str], Field(title="Names of the stored credential fields", description="Empty if unreadable.")
     ]
-    sync_error: Annotated[str | None, Field(title="Reason of the latest failed sync")]
+    sync_error: Annotated[
+        str | None,
+        Field(
+            title="What went wrong",
+            description="The latest failed sync's reason, then the documents that did not index by code, e.g. "
+            "'3 documents failed: 2 embedding_unavailable, 1 binary'. None when all is well.",
+        ),
+    ]
     created_at: Annotated[datetime, Field(title="Created")]
     updated_at: Annotated[datetime, Field(title="Last changed")]
 

@@ -66,6 +66,14 @@ class ConnectionSyncStatus(BaseModel):
     connection_id: Annotated[str, Field(title="Connection id")]
     status: Annotated[StatusLabel | None, Field(title="Status of the latest run", description="None: never synced.")]
     reason: Annotated[str | None, Field(title="Why the latest run failed")] = None
+    sync_error: Annotated[
+        str | None,
+        Field(
+            title="What went wrong",
+            description="The latest failed sync's reason, then the documents that did not index by code, e.g. "
+            "'3 documents failed: 2 embedding_unavailable, 1 binary'. None when all is well.",
+        ),
+    ] = None
     progress: Annotated[SyncRunView | None, Field(title="The latest run with its counters, rate and ETA")] = None
 
 
@@ -122,13 +130,16 @@ def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[
     @router.get("/{connection_id}/status", response_model=ConnectionSyncStatus)
     async def sync_status(connection_id: str) -> ConnectionSyncStatus:
         store = await store_of(connection_id)
+        await store.reap(connection_id)  # a run whose owner died shows Failed, not Syncing
         latest = await store.latest(connection_id)
+        sync_error = await store.sync_error(connection_id)
         if latest is None:
-            return ConnectionSyncStatus(connection_id=connection_id, status=None)
+            return ConnectionSyncStatus(connection_id=connection_id, status=None, sync_error=sync_error)
         return ConnectionSyncStatus(
             connection_id=connection_id,
             status=status_label(latest.status),
             reason=latest.reason,
+            sync_error=sync_error,
             progress=SyncRunView.of(latest),
         )
 

@@ -113,8 +113,9 @@ class SyncRunner:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def claim_pending(self) -> list[asyncio.Task[RunOutcome]]:
-        """Fail stale runs, then start every queued run a free slot allows, each in its own task."""
-        await self._runs.fail_stale()
+        """Fail runs whose owner is gone or that went stale, then start every queued run a free slot
+        allows, each in its own task."""
+        await self._runs.reap()
         started = []
         while (run := await self._runs.claim(self._max_concurrent)) is not None:
             task = asyncio.create_task(self.execute(run))
@@ -148,7 +149,8 @@ class SyncRunner:
             except asyncio.CancelledError:
                 if not tracker.abandoned:
                     raise
-                logger.warning("sync run %s was failed as stale elsewhere; stopped", run.id)
+                logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
+                await self._runs.release(run.id)
                 return RunOutcome(None, None)
             finally:
                 writer.cancel()

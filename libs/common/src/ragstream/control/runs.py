@@ -3,11 +3,20 @@
 The database decides every race: the partial unique index ``sync_runs_one_active_idx`` makes a second
 start a unique violation whichever replica asks, and claiming runs under a transaction-scoped
 advisory lock so the concurrency limit holds across replicas.
+
+Owner liveness needs no clock: the process that runs a sync holds a session-level advisory lock
+keyed by the run's id on a connection of its own (``_RunOwner``), taken in the same transaction that
+makes the run ``syncing``. PostgreSQL drops the lock the moment that session ends (the process was
+killed, its host died, its connection dropped), so any replica can tell a run whose owner is gone
+from ``pg_locks`` and fail it at once. The stale timeout remains for owners alive but hung.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -18,7 +27,9 @@ import asyncpg
 from ragstream.connectors.registry import ConnectionRow
 
 __all__ = [
+    "OWNER_GONE",
     "ConnectionOverview",
+    "Downstream",
     "RagDisabled",
     "RunCounts",
     "RunStatus",
@@ -32,6 +43,27 @@ Trigger = Literal["api", "create", "schedule", "cli"]
 
 # Serialises claims: count the running runs and take a queued one as one step. Any constant works.
 _CLAIM_LOCK = 0x73796E63
+# The first key of every owner lock (two-key form, so it never meets the one-key locks above); the
+# second is the run id modulo 2**31, which is unique among the runs syncing at any one time.
+_OWNER_LOCK = 0x72756E6F
+OWNER_GONE = "owner gone: the process running this sync stopped or lost its database session"
+
+_CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+
+# Runs syncing whose owner lock nobody holds. pg_locks lists every database of the server, hence the
+# database filter; a lock taken in a committed transaction is visible to every session at once.
+_ORPHANED = (
+    "NOT EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    f" AND l.classid::bigint = {_OWNER_LOCK} AND l.objid::bigint = sync_runs.id % 2147483648)"
+)
+_SILENT = "coalesce(heartbeat_at, started_at, created_at) < now() - make_interval(secs => $2)"
+_INSERT = (
+    "INSERT INTO sync_runs (connection_id, trigger, status, started_at, heartbeat_at)"
+    " SELECT $1, $2, CASE WHEN $3::boolean THEN 'syncing' ELSE 'queued' END,"
+    " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END"
+    " FROM connections WHERE id = $1 AND rag_enabled RETURNING *"
+)
 
 
 class RunStatus(StrEnum):
@@ -104,6 +136,20 @@ class SyncRun:
 
 
 @dataclass(frozen=True, slots=True)
+class Downstream:
+    """What the stages after the fetcher did with the changes a sync announced: in Kafka mode the
+    run's indexed, failed and chunk counts come from here."""
+
+    indexed: int
+    failed: int
+    chunks: int
+
+    def settled(self, announced: int) -> bool:
+        """Every announced change is committed or failed for good."""
+        return self.indexed + self.failed >= announced
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectionOverview:
     """A connection with its latest run: one line of ``ragstream status``."""
 
@@ -129,12 +175,75 @@ def _count_args(counts: RunCounts) -> list[Any]:
     return [getattr(counts, name) for name in RunCounts.__dataclass_fields__]
 
 
-class SyncRunStore:
-    """Every read and write of ``sync_runs`` and the sync columns of ``connections``."""
+def _owner_key(run_id: int) -> int:
+    return run_id % 2147483648
 
-    def __init__(self, pool: asyncpg.Pool, *, stale_timeout_s: float = 1800) -> None:
+
+class _RunOwner:
+    """This process's own session, holding an advisory lock on each run it executes.
+
+    Not a pooled connection: the pool resets a released connection (``pg_advisory_unlock_all``), and
+    a lock must live exactly as long as this process can still finish its run. Opened on first use
+    and again after it dropped (the runs it owned have been failed by then). One connection serves
+    every run of the process, so its use is serialised."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._connection: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """A transaction on the owner session; lock the runs it makes ``syncing`` with ``hold``."""
+        async with self._lock:
+            if self._connection is None or self._connection.is_closed():
+                self._connection = await asyncpg.connect(self._dsn)
+            async with self._connection.transaction():
+                yield self._connection
+
+    @staticmethod
+    async def hold(connection: asyncpg.Connection, run_id: int) -> None:
+        """Lock a run inside the transaction that makes it syncing: once that commits, no session can
+        see the run syncing without its lock held."""
+        await connection.execute("SELECT pg_advisory_lock($1, $2)", _OWNER_LOCK, _owner_key(run_id))
+
+    async def release(self, run_id: int) -> None:
+        """Unlock a run that has ended; nothing to do when the session is already gone."""
+        async with self._lock:
+            connection = self._connection
+            if connection is None or connection.is_closed():
+                return
+            with contextlib.suppress(*_CONNECTION_ERRORS):
+                await connection.execute("SELECT pg_advisory_unlock($1, $2)", _OWNER_LOCK, _owner_key(run_id))
+
+    async def close(self) -> None:
+        """End the session, and with it every lock: runs still held become visibly ownerless."""
+        async with self._lock:
+            connection, self._connection = self._connection, None
+            if connection is not None:
+                with contextlib.suppress(*_CONNECTION_ERRORS):
+                    await connection.close()
+
+
+class SyncRunStore:
+    """Every read and write of ``sync_runs`` and the sync columns of ``connections``.
+
+    ``dsn`` is the pool's database: a run this store makes ``syncing`` (``claim``, a running
+    ``start``) is owned by this store's session until ``finish``. Use one store per process and
+    ``aclose`` it on shutdown."""
+
+    def __init__(self, pool: asyncpg.Pool, dsn: str, *, stale_timeout_s: float = 1800) -> None:
         self._pool = pool
+        self._owner = _RunOwner(dsn)
         self._stale_timeout_s = stale_timeout_s
+
+    async def aclose(self) -> None:
+        await self._owner.close()
+
+    async def release(self, run_id: int) -> None:
+        """Stop owning a run that ended without ``finish`` (failed elsewhere as stale): its lock
+        would otherwise stay with this session until the process ends."""
+        await self._owner.release(run_id)
 
     async def connection(self, connection_id: str) -> ConnectionRow | None:
         row = await self._pool.fetchrow(
@@ -150,43 +259,49 @@ class SyncRunStore:
         )
 
     async def start(self, connection_id: str, trigger: Trigger, *, running: bool = False) -> SyncRun:
-        """Queue a run. If one is active and silent past the stale timeout it is failed first;
-        otherwise ``SyncInProgress`` (with the active run). ``RagDisabled`` when RAG is off.
+        """Queue a run. If the active one's owner is gone, or it is silent past the stale timeout, it
+        is failed first; otherwise ``SyncInProgress`` (with the active run). ``RagDisabled`` when
+        RAG is off.
 
-        ``running`` starts it at once as syncing, outside the concurrency limit: a foreground
-        ``ragstream ingest`` runs its own sync, and no runner may claim it in between."""
+        ``running`` starts it at once as syncing, owned by this store, outside the concurrency
+        limit: a foreground ``ragstream ingest`` runs its own sync, and no runner may claim it in
+        between."""
         for _ in range(2):
             try:
-                row = await self._pool.fetchrow(
-                    "INSERT INTO sync_runs (connection_id, trigger, status, started_at, heartbeat_at)"
-                    " SELECT $1, $2, CASE WHEN $3::boolean THEN 'syncing' ELSE 'queued' END,"
-                    " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END"
-                    " FROM connections WHERE id = $1 AND rag_enabled RETURNING *",
-                    connection_id,
-                    trigger,
-                    running,
-                )
+                row = await self._insert(connection_id, trigger, running)
                 if row is None:
                     raise RagDisabled(connection_id)
                 return SyncRun.from_row(row)
             except asyncpg.UniqueViolationError:
-                if not await self.fail_stale(connection_id):
+                if not await self.reap(connection_id):
                     raise SyncInProgress(await self.active(connection_id)) from None
         raise SyncInProgress(await self.active(connection_id))
 
-    async def fail_stale(self, connection_id: str | None = None) -> list[SyncRun]:
-        """Fail running syncs (of one connection, or all) with no heartbeat for the stale timeout.
+    async def _insert(self, connection_id: str, trigger: Trigger, running: bool) -> asyncpg.Record | None:
+        if not running:
+            return await self._pool.fetchrow(_INSERT, connection_id, trigger, False)
+        async with self._owner.transaction() as connection:
+            row = await connection.fetchrow(_INSERT, connection_id, trigger, True)
+            if row is not None:
+                await self._owner.hold(connection, row["id"])
+        return row
+
+    async def reap(self, connection_id: str | None = None) -> list[SyncRun]:
+        """Fail the syncing runs (of one connection, or all) whose owner is gone, then those silent
+        past the stale timeout; the connection's ``sync_error`` says why.
 
         Only running ones: a queued run waits for a free slot, which is not a sign of a dead sync."""
         async with self._pool.acquire() as connection, connection.transaction():
             rows = await connection.fetch(
-                "UPDATE sync_runs SET status = 'failed', finished_at = now(), reason = 'stale: no progress for '"
-                " || floor(extract(epoch FROM now() - coalesce(heartbeat_at, started_at, created_at)))::bigint || ' s'"
+                "UPDATE sync_runs SET status = 'failed', finished_at = now(), reason = CASE WHEN"
+                f" {_ORPHANED} THEN $3 ELSE 'stale: no progress for '"
+                " || floor(extract(epoch FROM now() - coalesce(heartbeat_at, started_at, created_at)))::bigint"
+                " || ' s' END"
                 " WHERE status = 'syncing' AND ($1::text IS NULL OR connection_id = $1)"
-                " AND coalesce(heartbeat_at, started_at, created_at) < now() - make_interval(secs => $2)"
-                " RETURNING *",
+                f" AND ({_ORPHANED} OR {_SILENT}) RETURNING *",
                 connection_id,
                 self._stale_timeout_s,
+                OWNER_GONE,
             )
             runs = [SyncRun.from_row(row) for row in rows]
             for run in runs:
@@ -194,8 +309,9 @@ class SyncRunStore:
         return runs
 
     async def claim(self, max_concurrent: int) -> SyncRun | None:
-        """Move the oldest queued run to syncing if fewer than ``max_concurrent`` runs are syncing."""
-        async with self._pool.acquire() as connection, connection.transaction():
+        """Move the oldest queued run to syncing, owned by this store, if fewer than
+        ``max_concurrent`` runs are syncing."""
+        async with self._owner.transaction() as connection:
             await connection.execute("SELECT pg_advisory_xact_lock($1)", _CLAIM_LOCK)
             if await connection.fetchval("SELECT count(*) FROM sync_runs WHERE status = 'syncing'") >= max_concurrent:
                 return None
@@ -203,6 +319,8 @@ class SyncRunStore:
                 "UPDATE sync_runs SET status = 'syncing', started_at = now(), heartbeat_at = now()"
                 " WHERE id = (SELECT id FROM sync_runs WHERE status = 'queued' ORDER BY id LIMIT 1) RETURNING *"
             )
+            if row is not None:
+                await self._owner.hold(connection, row["id"])
         return SyncRun.from_row(row) if row is not None else None
 
     async def progress(
@@ -245,10 +363,13 @@ class SyncRunStore:
                 status.value,
                 reason,
             )
-            if row is None:
-                return None
-            run = SyncRun.from_row(row)
-            await self._set_sync_error(connection, run.connection_id, reason if status is RunStatus.FAILED else None)
+            run = SyncRun.from_row(row) if row is not None else None
+            if run is not None:
+                await self._set_sync_error(
+                    connection, run.connection_id, reason if status is RunStatus.FAILED else None
+                )
+        # After the commit: a run seen syncing always has its lock, so nobody fails it as ownerless.
+        await self._owner.release(run_id)
         return run
 
     @staticmethod
@@ -256,6 +377,31 @@ class SyncRunStore:
         await connection.execute(
             "UPDATE connections SET sync_error = $2, updated_at = now() WHERE id = $1", connection_id, error
         )
+
+    async def downstream(self, document_ids: Sequence[str], since: datetime) -> Downstream:
+        """Of these documents (a sync's announced changes): how many have committed since ``since``
+        (the run's start, on the database clock) and with how many chunks, and how many failed for
+        good since then. A commit after the start is of the announced version or a newer one; a
+        failure a stage is still retrying counts as neither, and so does an older version committed
+        while the announced one is failing (an open failure is of a version newer than the commit)."""
+        row = await self._pool.fetchrow(
+            "SELECT count(*) FILTER (WHERE committed) AS indexed,"
+            " coalesce(sum(d.chunk_count) FILTER (WHERE committed), 0) AS chunks,"
+            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying AND f.failed_at >= $2) AS failed"
+            " FROM unnest($1::text[]) AS announced (id)"
+            " LEFT JOIN documents d ON d.id = announced.id"
+            " LEFT JOIN open_document_failures f ON f.document_id = announced.id,"
+            " LATERAL (SELECT d.status = 'indexed' AND d.indexed_at >= $2 AND f.document_id IS NULL AS committed) c",
+            list(document_ids),
+            since,
+        )
+        assert row is not None
+        return Downstream(indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"])
+
+    async def sync_error(self, connection_id: str) -> str | None:
+        """Why the latest sync failed, if it did, then the documents that did not index by code."""
+        error = await self._pool.fetchval("SELECT connection_sync_error($1)", connection_id)
+        return str(error) if error is not None else None
 
     async def get(self, run_id: int) -> SyncRun | None:
         row = await self._pool.fetchrow("SELECT * FROM sync_runs WHERE id = $1", run_id)
@@ -291,9 +437,12 @@ class SyncRunStore:
         return [row["id"] for row in rows]
 
     async def overview(self) -> list[ConnectionOverview]:
-        """Every connection with its latest run, for ``ragstream status``."""
+        """Every connection with its latest run, for ``ragstream status``; runs whose owner is gone
+        (or stale) are failed first, so the status never shows a dead sync as syncing."""
+        await self.reap()
         rows = await self._pool.fetch(
-            "SELECT c.id AS c_id, c.platform, c.name, c.config, c.rag_enabled, c.schedule_seconds, c.sync_error,"
+            "SELECT c.id AS c_id, c.platform, c.name, c.config, c.rag_enabled, c.schedule_seconds,"
+            " connection_sync_error(c.id) AS sync_error,"
             " r.* FROM connections c LEFT JOIN LATERAL"
             " (SELECT * FROM sync_runs WHERE connection_id = c.id ORDER BY id DESC LIMIT 1) r ON true ORDER BY c.id"
         )

@@ -68,6 +68,8 @@ class Scheduler:
             await self._try_lead()
         if self._lock is None:
             return []
+        # Runs whose owner died are failed now, not at the stale timeout, even if no one asks.
+        await self._runs.reap()
         enqueued = []
         for connection_id in await self._runs.due():
             # A sync on request got there first, or RAG was switched off since due() read it.

@@ -58,8 +58,10 @@ class RagSwitch:
     rag_turned_on: bool
 
 
+# sync_error: the latest failed sync's reason and a summary of the documents that did not index (0009).
 _COLUMNS = (
-    "id, platform, name, config, status, skip_acl, rag_enabled, schedule_seconds, credentials, sync_error,"
+    "id, platform, name, config, status, skip_acl, rag_enabled, schedule_seconds, credentials,"
+    " connection_sync_error(id) AS sync_error,"
     " created_at, updated_at"
 )
 

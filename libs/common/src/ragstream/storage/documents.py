@@ -49,12 +49,9 @@ class Failure:
     retry_count: int
 
 
-# Failures still open: their version is newer than what is committed (or nothing is). A commit of
-# the same or a newer version resolves a failure even before its row is cleaned up.
-_OPEN_FAILURES = (
-    "document_failures f LEFT JOIN documents d ON d.id = f.document_id"
-    " WHERE (d.version IS NULL OR d.version < f.version)"
-)
+# Failures still open (not resolved by a commit of their version or a newer one): the view of
+# migration 0009, which a connection's sync_error summary reads too.
+_OPEN_FAILURES = "open_document_failures f"
 
 
 class DocumentStore:
@@ -192,13 +189,17 @@ class DocumentStore:
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
             updated = await connection.fetchval(
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
-                " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'indexed', $10, $11, $12, $13, now())"
+                " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at, retry_count)"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'indexed', $10, $11, $12, $13, now(),"
+                # The retries this version took: its failure row, if any, counted each failed attempt.
+                "  coalesce((SELECT f.retry_count + 1 FROM document_failures f"
+                "   WHERE f.document_id = $1 AND f.version = $9), 0))"
                 " ON CONFLICT (id) DO UPDATE SET title = EXCLUDED.title, source = EXCLUDED.source,"
                 " media_type = EXCLUDED.media_type, content_hash = EXCLUDED.content_hash,"
                 " source_version = EXCLUDED.source_version, version = EXCLUDED.version, status = 'indexed',"
                 " chunk_count = EXCLUDED.chunk_count, knowledge_base = EXCLUDED.knowledge_base,"
-                " url = EXCLUDED.url, metadata = EXCLUDED.metadata, indexed_at = now()"
+                " url = EXCLUDED.url, metadata = EXCLUDED.metadata, indexed_at = now(),"
+                " retry_count = EXCLUDED.retry_count"
                 " WHERE documents.version < EXCLUDED.version RETURNING id",
                 header.document_id,
                 header.connection_id,
@@ -283,14 +284,16 @@ class DocumentStore:
         return committed is not None and committed >= version
 
     async def record_failure(
-        self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool
+        self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool, retrying: bool = False
     ) -> Failure:
-        """Record why a version did not index; the retry count grows while the same version keeps failing."""
+        """Record why a version did not index; the retry count grows while the same version keeps failing.
+        ``retrying``: a stage is about to try it again (not given up on yet)."""
         row = await self._pool.fetchrow(
             "INSERT INTO document_failures"
-            " (document_id, connection_id, source, version, step, code, message, retryable, header)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)"
+            " (document_id, connection_id, source, version, step, code, message, retryable, header, retrying)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10)"
             " ON CONFLICT (document_id) DO UPDATE SET source = EXCLUDED.source, step = EXCLUDED.step,"
+            " retrying = EXCLUDED.retrying,"
             " code = EXCLUDED.code, message = EXCLUDED.message, retryable = EXCLUDED.retryable, failed_at = now(),"
             " header = EXCLUDED.header,"
             " retry_count = CASE WHEN document_failures.version = EXCLUDED.version"
@@ -305,6 +308,7 @@ class DocumentStore:
             message[:2000],
             retryable,
             header.model_dump_json(),
+            retrying,
         )
         assert row is not None
         return Failure(
@@ -322,7 +326,7 @@ class DocumentStore:
     async def failures(self, connection_id: str | None) -> list[Failure]:
         """The documents whose latest version did not index, of one connection (or all: None)."""
         rows = await self._pool.fetch(
-            f"SELECT f.* FROM {_OPEN_FAILURES} AND ($1::text IS NULL OR f.connection_id = $1) ORDER BY f.source",
+            f"SELECT f.* FROM {_OPEN_FAILURES} WHERE ($1::text IS NULL OR f.connection_id = $1) ORDER BY f.source",
             connection_id,
         )
         return [
@@ -349,7 +353,7 @@ class DocumentStore:
         rows = await self._pool.fetch(
             "SELECT f.header::text AS header,"
             " EXISTS (SELECT 1 FROM staged_documents s WHERE s.version = f.version) AS staged"
-            f" FROM {_OPEN_FAILURES} AND ($1::text IS NULL OR f.connection_id = $1) ORDER BY f.version",
+            f" FROM {_OPEN_FAILURES} WHERE ($1::text IS NULL OR f.connection_id = $1) ORDER BY f.version",
             connection_id,
         )
         headers = [DocumentHeader.model_validate_json(row["header"]) for row in rows if row["staged"] and row["header"]]
@@ -359,7 +363,7 @@ class DocumentStore:
         """True while this version is still the document's failing one and its content is staged."""
         return bool(
             await self._pool.fetchval(
-                f"SELECT EXISTS (SELECT 1 FROM {_OPEN_FAILURES} AND f.document_id = $1 AND f.version = $2"
+                f"SELECT EXISTS (SELECT 1 FROM {_OPEN_FAILURES} WHERE f.document_id = $1 AND f.version = $2"
                 " AND EXISTS (SELECT 1 FROM staged_documents s WHERE s.version = f.version))",
                 header.document_id,
                 header.version,
