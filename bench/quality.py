@@ -10,14 +10,16 @@ reserved for release figures) then run through ``SearchStore.keyword_leg`` (BM25
 (binary relevance; a query has 1-11 relevant answers). Results are per document: a long answer split
 into several chunks counts once, at its best rank.
 
-    source /tmp/wtenv && /work/main/.venv/bin/python bench/quality.py            # both languages
+    make bench-quality  (or .venv/bin/python bench/quality.py)                   # both languages
     ... bench/quality.py --lang en --limit 3000 --queries 300                    # a quick iteration
-    ... bench/quality.py --tune                                                  # + the BM25 and RRF grids
+    ... bench/quality.py --tune [bm25] [fusion]                                  # + the BM25 and/or fusion grids
 
 The index is kept in ``--data-dir`` (one database per language and corpus size), so a second run
 only queries. ``--tune`` scores every (k1, b) of the BM25 grid from one pass of term statistics per
-query (the same formula as the SQL, checked against it) and every RRF (k, weights) from the two leg
-rankings; the figures reported for the chosen settings always come from the real SQL and retriever.
+query (the same formula as the SQL, checked against it), and every RRF (k, weight) and convex alpha
+by the retriever's own fusion functions on the legs' SQL output. The chosen fusion then also runs end
+to end through ``HybridRetriever.search``. ``--skip-queries`` confirms a choice on queries it was not
+tuned on, and each fusion's gain over the keyword leg comes with a paired bootstrap interval.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,7 @@ from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.messages import ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.parsing import Parser
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchRequest
-from ragstream.retrieval.fusion import reciprocal_rank_fusion
+from ragstream.retrieval.fusion import Fusion, convex_fusion, reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
@@ -58,7 +60,7 @@ from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore, document_id
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import _BM25_HITS, _BM25_TERMS, SearchStore
+from ragstream.storage.search import _BM25_HITS, _BM25_TERMS, Hit, SearchStore
 
 __all__ = ["main"]
 
@@ -74,6 +76,7 @@ BM25_GRID_BIGRAM_WEIGHT = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULTS = Settings()
 RRF_GRID_K = (1, 5, 10, 20, 30, 45, 60, 100, 200)
 RRF_GRID_KEYWORD_WEIGHT = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 10.0, 20.0)
+CONVEX_GRID_ALPHA = (0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -86,9 +89,12 @@ class Query:
     relevant: frozenset[str]
 
 
-def load_data(lang: str, split: str, limit: int | None, queries: int | None) -> tuple[dict[str, str], list[Query]]:
+def load_data(
+    lang: str, split: str, limit: int | None, queries: int | None, skip: int = 0
+) -> tuple[dict[str, str], list[Query]]:
     """Answers to index (answer id → text) and the split's queries with their relevant answer ids.
 
+    ``skip`` leaves out the first queries (those tuned on, to confirm the choice on the others).
     With ``--limit`` the corpus is the judged answers of the selected queries plus the first answers
     by id up to ``limit``: smaller, so the figures are higher than on the full corpus.
     """
@@ -100,6 +106,7 @@ def load_data(lang: str, split: str, limit: int | None, queries: int | None) -> 
         Query(qid, " ".join(item[lang].split()), frozenset(item["answers"]))
         for qid, item in sorted(raw.items(), key=lambda pair: int(pair[0]))
     ]
+    selected = selected[skip:]
     if queries is not None:
         selected = selected[:queries]
     if limit is not None:
@@ -248,16 +255,16 @@ class QueryVectors:
         pass
 
 
-async def timed_legs(queries: Sequence[Query], call: Any, answer_of: dict[str, str]) -> tuple[Run, list[list[str]]]:
-    """Run ``call(index)`` for every query: the answer ranking (for the metrics) and the chunk ids."""
-    run, chunk_lists = Run(), []
+async def timed_legs(queries: Sequence[Query], call: Any, answer_of: dict[str, str]) -> tuple[Run, list[list[Hit]]]:
+    """Run ``call(index)`` for every query: the answer ranking (for the metrics) and the hits."""
+    run, hit_lists = Run(), []
     for index in range(len(queries)):
         started = time.perf_counter()
-        chunks = await call(index)
+        hits = await call(index)
         run.seconds.append(time.perf_counter() - started)
-        chunk_lists.append(chunks)
-        run.rankings.append([answer_of[chunk] for chunk in chunks if chunk in answer_of])
-    return run, chunk_lists
+        hit_lists.append(hits)
+        run.rankings.append(answers_of([hit.chunk_id for hit in hits], answer_of))
+    return run, hit_lists
 
 
 def answers_of(chunks: Sequence[str], answer_of: dict[str, str]) -> list[str]:
@@ -433,6 +440,8 @@ class Choice:
     bigram_weight: float
     rrf_k: int
     keyword_weight: float
+    alpha: float
+    fusion: Fusion
 
 
 class LanguageBench:
@@ -440,7 +449,7 @@ class LanguageBench:
 
     def __init__(self, lang: str, pool: asyncpg.Pool, embedder: LocalUSEEmbedder, args: argparse.Namespace) -> None:
         self.lang, self.pool, self.args = lang, pool, args
-        self.answers, self.queries = load_data(lang, args.split, args.limit, args.queries)
+        self.answers, self.queries = load_data(lang, args.split, args.limit, args.queries, args.skip_queries)
         self.embedder = embedder
         self.vectors = QueryVectors(embedder)
         self.terms = [query_terms(query.text) for query in self.queries]
@@ -448,10 +457,13 @@ class LanguageBench:
         self.report: dict[str, Any] = {"lang": lang, "answers": len(self.answers), "queries": len(self.queries)}
         self.runs: dict[str, Run] = {}
         self.answer_of: dict[str, str] = {}
-        self.vector_lists: list[list[str]] = []
-        self.keyword_lists: list[list[str]] = []
+        self.vector_lists: list[list[Hit]] = []
+        self.keyword_lists: list[list[Hit]] = []
+        self.similarities: list[dict[str, float]] = []  # of the keyword leg's chunks, for score fusion
+        self.table = ""
         self.bm25_grid: dict[tuple[float, float, float], dict[str, float]] = {}
         self.rrf_grid: dict[tuple[int, float], dict[str, float]] = {}
+        self.convex_grid: dict[float, dict[str, float]] = {}
         self.grid_rows: dict[str, dict[str, float]] = {}  # figures from the grids, not from a SQL run
 
     def say(self, name: str) -> None:
@@ -480,6 +492,7 @@ class LanguageBench:
         store = SearchStore(self.pool, ef_search=self.args.ef_search)
         table = await store.embedding_table(self.embedder.model_key)
         assert table is not None
+        self.table = table
         name = "vector: HNSW (vector_leg)"
         self.runs[name], self.vector_lists = await timed_legs(
             queries, lambda i: store.vector_leg(table, self.vectors[queries[i].text], LEG, scope), self.answer_of
@@ -491,7 +504,7 @@ class LanguageBench:
         self.report["hnsw_recall_vs_exact"] = {
             f"@{k}": round(
                 statistics.fmean(
-                    len(set(v[:k]) & set(e[:k])) / max(min(k, len(e)), 1)
+                    len({hit.chunk_id for hit in v[:k]} & set(e[:k])) / max(min(k, len(e)), 1)
                     for v, e in zip(self.vector_lists, exact, strict=True)
                 ),
                 4,
@@ -524,6 +537,13 @@ class LanguageBench:
             queries, lambda i: keyword.keyword_leg(terms[i], LEG, scope, query=queries[i].text), self.answer_of
         )
         self.say(name)
+        self.keyword_name = name
+        # Cosine of the keyword leg's chunks the vector leg missed: what the convex fusion adds.
+        store = SearchStore(self.pool)
+        for query, vector_hits, keyword_hits in zip(queries, self.vector_lists, self.keyword_lists, strict=True):
+            found = {hit.chunk_id for hit in vector_hits}
+            missing = [hit.chunk_id for hit in keyword_hits if hit.chunk_id not in found]
+            self.similarities.append(await store.similarities(self.table, self.vectors[query.text], missing))
         if (k1, b, bigram_weight) in self.bm25_grid:  # the numpy scoring must agree with the SQL
             sql = self.runs[name].metrics(queries)
             self.report["bm25_grid_check"] = {"sql": sql, "numpy": self.bm25_grid[(k1, b, bigram_weight)]}
@@ -531,45 +551,80 @@ class LanguageBench:
         if words_only is not None and bigram_weight:
             self.grid_rows[f"keyword: BM25 words only (k1={k1} b={b}; numpy on the same SQL rows)"] = words_only
 
-    def tune_rrf(self) -> None:
+    def rrf_run(self, k: int, keyword_weight: float) -> Run:
+        """RRF of the two legs' outputs, by the function the retriever calls."""
+        run = Run()
+        for v, kw in zip(self.vector_lists, self.keyword_lists, strict=True):
+            rankings = [[hit.chunk_id for hit in v], [hit.chunk_id for hit in kw]]
+            fused = reciprocal_rank_fusion(rankings, weights=[1.0, keyword_weight], k=k)
+            run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
+        return run
+
+    def convex_run(self, alpha: float) -> Run:
+        """The convex fusion of the two legs' outputs, by the function the retriever calls."""
+        run = Run()
+        for v, kw, similarity in zip(self.vector_lists, self.keyword_lists, self.similarities, strict=True):
+            fused = convex_fusion(v, kw, alpha=alpha, similarity=similarity)
+            run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
+        return run
+
+    def tune_fusion(self) -> None:
         for k, weight in itertools.product(RRF_GRID_K, RRF_GRID_KEYWORD_WEIGHT):
-            run = Run()
-            for v, kw in zip(self.vector_lists, self.keyword_lists, strict=True):
-                fused = reciprocal_rank_fusion([v, kw], weights=[1.0, weight], k=k)
-                run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
-            self.rrf_grid[(k, weight)] = run.metrics(self.queries)
+            self.rrf_grid[(k, weight)] = self.rrf_run(k, weight).metrics(self.queries)
         self.report["rrf_grid"] = [{"k": k, "keyword_weight": w, **m} for (k, w), m in self.rrf_grid.items()]
         best = max(self.rrf_grid, key=lambda p: (self.rrf_grid[p]["ndcg@10"], self.rrf_grid[p]["recall@10"]))
         self.report["rrf_best_for_this_language"] = {"k": best[0], "keyword_weight": best[1], **self.rrf_grid[best]}
+        self.convex_grid = {alpha: self.convex_run(alpha).metrics(self.queries) for alpha in CONVEX_GRID_ALPHA}
+        self.report["convex_grid"] = [{"alpha": alpha, **m} for alpha, m in self.convex_grid.items()]
+        best_alpha = max(
+            self.convex_grid, key=lambda a: (self.convex_grid[a]["ndcg@10"], self.convex_grid[a]["recall@10"])
+        )
+        self.report["convex_best_for_this_language"] = {"alpha": best_alpha, **self.convex_grid[best_alpha]}
 
     async def fused(self, choice: Choice) -> None:
-        settings = {(60, 1.0): "RRF k=60, weights 1/1 (untuned)"}
-        settings.setdefault(
-            (choice.rrf_k, choice.keyword_weight),
-            f"RRF k={choice.rrf_k}, weights 1/{choice.keyword_weight} (vector/keyword)",
+        """Each fusion from the legs' outputs (the same SQL rows, no second pass), then the chosen
+        one end to end through ``HybridRetriever.search``, which must agree with it."""
+        runs = {
+            "RRF k=60, weights 1/1 (untuned)": self.rrf_run(60, 1.0),
+            f"RRF k={choice.rrf_k}, weights 1/{choice.keyword_weight} (vector/keyword)": self.rrf_run(
+                choice.rrf_k, choice.keyword_weight
+            ),
+            f"convex, alpha {choice.alpha} (keyword share)": self.convex_run(choice.alpha),
+        }
+        for label, run in runs.items():
+            self.runs[f"fused: {label}"] = run
+            self.say(f"fused: {label}")
+            self.report.setdefault("vs_keyword_leg", {})[label] = paired_difference(
+                run, self.runs[self.keyword_name], self.queries
+            )
+        store = SearchStore(
+            self.pool,
+            ef_search=self.args.ef_search,
+            bm25_k1=choice.k1,
+            bm25_b=choice.b,
+            bigram_weight=choice.bigram_weight,
         )
-        for (k, weight), label in settings.items():
-            store = SearchStore(
-                self.pool,
-                ef_search=self.args.ef_search,
-                bm25_k1=choice.k1,
-                bm25_b=choice.b,
-                bigram_weight=choice.bigram_weight,
-            )
-            retriever = HybridRetriever(
-                store,
-                self.vectors,
-                CitationStore(self.pool),
-                settings=RetrievalSettings(leg_size=LEG, rrf_k=k, vector_weight=1.0, keyword_weight=weight),
-            )
+        retriever = HybridRetriever(
+            store,
+            self.vectors,
+            CitationStore(self.pool),
+            settings=RetrievalSettings(
+                leg_size=LEG,
+                fusion=choice.fusion,
+                convex_alpha=choice.alpha,
+                rrf_k=choice.rrf_k,
+                vector_weight=1.0,
+                keyword_weight=choice.keyword_weight,
+            ),
+        )
 
-            async def search(i: int, retriever: HybridRetriever = retriever) -> list[str]:
-                response = await retriever.search(SearchRequest(query=self.queries[i].text, top_k=TOP))
-                return [result.chunk_id for result in response.results]
+        async def search(i: int) -> list[Hit]:
+            response = await retriever.search(SearchRequest(query=self.queries[i].text, top_k=TOP))
+            return [Hit(result.chunk_id, result.score) for result in response.results]
 
-            name = f"fused: {label}"
-            self.runs[name], _ = await timed_legs(self.queries, search, self.answer_of)
-            self.say(name)
+        name = f"fused end to end: HybridRetriever.search, fusion={choice.fusion}"
+        self.runs[name], _ = await timed_legs(self.queries, search, self.answer_of)
+        self.say(name)
 
     def finish(self, choice: Choice) -> dict[str, Any]:
         self.report["settings"] = {
@@ -581,6 +636,26 @@ class LanguageBench:
         self.report["runs"] = {name: run.metrics(self.queries) for name, run in self.runs.items()}
         self.report["runs"].update(self.grid_rows)
         return self.report
+
+
+def paired_difference(run: Run, baseline: Run, queries: Sequence[Query], resamples: int = 2000) -> dict[str, float]:
+    """Mean per-query nDCG@10 gain of ``run`` over ``baseline`` with a 95% bootstrap interval, and
+    how many queries got better or worse: whether a gain is more than the luck of the queries."""
+    gains = np.array(
+        [
+            score(ours, query.relevant)[0] - score(theirs, query.relevant)[0]
+            for ours, theirs, query in zip(run.rankings, baseline.rankings, queries, strict=True)
+        ]
+    )
+    means = np.random.default_rng(0).choice(gains, size=(resamples, len(gains))).mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return {
+        "ndcg@10_gain": round(float(gains.mean()), 4),
+        "ci95_low": round(float(low), 4),
+        "ci95_high": round(float(high), 4),
+        "better": int((gains > 0).sum()),
+        "worse": int((gains < 0).sum()),
+    }
 
 
 def joint_best(grids: Sequence[dict[Any, dict[str, float]]]) -> Any:
@@ -597,19 +672,21 @@ def joint_best(grids: Sequence[dict[Any, dict[str, float]]]) -> Any:
 async def measure(benches: Sequence[LanguageBench], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measure the languages side by side; with ``--tune``, choose one setting for all of them."""
     await asyncio.gather(*(bench.legs() for bench in benches))
-    choice = Choice(args.k1, args.b, args.bigram_weight, args.rrf_k, args.keyword_weight)
-    if args.tune:
+    choice = Choice(args.k1, args.b, args.bigram_weight, args.rrf_k, args.keyword_weight, args.alpha, args.fusion)
+    tune = set(args.tune or ("bm25", "fusion")) if args.tune is not None else set()
+    if "bm25" in tune:
         await asyncio.gather(*(bench.tune_bm25() for bench in benches))
         k1, b, bigram_weight = joint_best([bench.bm25_grid for bench in benches])
-        choice = Choice(k1, b, bigram_weight, choice.rrf_k, choice.keyword_weight)
+        choice = replace(choice, k1=k1, b=b, bigram_weight=bigram_weight)
         print(f"  BM25 chosen: k1={k1} b={b} bigram weight {bigram_weight}", file=sys.stderr, flush=True)
     await asyncio.gather(*(bench.keyword(choice.k1, choice.b, choice.bigram_weight) for bench in benches))
-    if args.tune:
+    if "fusion" in tune:
         for bench in benches:
-            bench.tune_rrf()
+            bench.tune_fusion()
         rrf_k, keyword_weight = joint_best([bench.rrf_grid for bench in benches])
-        choice = Choice(choice.k1, choice.b, choice.bigram_weight, rrf_k, keyword_weight)
-        print(f"  RRF chosen: k={rrf_k} keyword weight {keyword_weight}", file=sys.stderr, flush=True)
+        alpha = joint_best([bench.convex_grid for bench in benches])
+        choice = replace(choice, rrf_k=rrf_k, keyword_weight=keyword_weight, alpha=alpha)
+        print(f"  RRF chosen: k={rrf_k} keyword weight {keyword_weight}; convex alpha {alpha}", file=sys.stderr)
     await asyncio.gather(*(bench.fused(choice) for bench in benches))
     return [bench.finish(choice) for bench in benches]
 
@@ -627,10 +704,18 @@ def write_results(reports: list[dict[str, Any]], args: argparse.Namespace) -> No
                 f" {m.get('p50_ms', float('nan')):7.1f} {m.get('p95_ms', float('nan')):7.1f}"
             )
         print(f"  plain BM25, published (test split): nDCG@10 {REFERENCE_BM25[report['lang']]}")
-        for key in ("settings", "bm25_best_for_this_language", "rrf_best_for_this_language", "bm25_grid_check"):
+        for key in (
+            "settings",
+            "vs_keyword_leg",
+            "bm25_best_for_this_language",
+            "rrf_best_for_this_language",
+            "convex_best_for_this_language",
+            "bm25_grid_check",
+        ):
             if key in report:
                 print(f"  {key}: {report[key]}")
     suffix = f"-limit{args.limit}" if args.limit else ""
+    suffix += f"-from{args.skip_queries}" if args.skip_queries else ""
     suffix += f"-q{args.queries}" if args.queries else ""
     out = args.out or Path(__file__).parent / "results" / f"quality-{args.split}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -677,8 +762,14 @@ def main() -> None:
     parser.add_argument("--lang", nargs="+", choices=("en", "zh"), default=["en", "zh"])
     parser.add_argument("--split", choices=("valid", "test"), default="valid", help="test is reserved for releases")
     parser.add_argument("--limit", type=int, help="index only about this many answers (quick iterations)")
-    parser.add_argument("--queries", type=int, help="only the first N queries of the split")
-    parser.add_argument("--tune", action="store_true", help="also search the BM25 (k1, b) and RRF (k, weight) grids")
+    parser.add_argument("--queries", type=int, help="only the first N queries of the split (after --skip-queries)")
+    parser.add_argument("--skip-queries", type=int, default=0, help="leave out the first N (e.g. those tuned on)")
+    parser.add_argument(
+        "--tune",
+        nargs="*",
+        choices=("bm25", "fusion"),
+        help="search the BM25 (k1, b, bigram weight) and/or fusion (RRF k and weight, convex alpha) grids; bare: both",
+    )
     parser.add_argument("--ingest-only", action="store_true")
     parser.add_argument("--skip-ts-rank", action="store_true", help="do not measure the ts_rank_cd ranking")
     parser.add_argument("--threads", type=int, default=2, help="embedder threads")
@@ -687,6 +778,8 @@ def main() -> None:
     parser.add_argument("--bigram-weight", type=float, default=DEFAULTS.bm25_bigram_weight, help="BM25 bigram weight")
     parser.add_argument("--rrf-k", type=int, default=DEFAULTS.rrf_k)
     parser.add_argument("--keyword-weight", type=float, default=DEFAULTS.rrf_keyword_weight, help="vector weight is 1")
+    parser.add_argument("--fusion", choices=("rrf", "convex"), default=DEFAULTS.fusion, help="of the end-to-end run")
+    parser.add_argument("--alpha", type=float, default=DEFAULTS.fusion_alpha, help="keyword share of convex fusion")
     parser.add_argument("--ef-search", type=int, default=100, help="hnsw.ef_search of the vector leg")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "ragstream-quality")
     parser.add_argument("--out", type=Path, help="JSON results (default bench/results/quality-<split>.json)")

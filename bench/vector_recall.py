@@ -282,7 +282,11 @@ async def run_case(
     lines.append(f"{head} exact scan | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
     counts: Counter[str] = Counter()
     count_calls(store, counts)
-    recall, returned, p50 = await measure(lambda q: store.vector_leg(table, q, LIMIT, scope), corpus, visible)
+
+    async def vector_leg(query: np.ndarray) -> list[str]:
+        return [hit.chunk_id for hit in await store.vector_leg(table, query, LIMIT, scope)]
+
+    recall, returned, p50 = await measure(vector_leg, corpus, visible)
     calls = len(corpus.queries) + WARMUP
     per_query = {name: counts[name] / calls for name in ("_hnsw_scan", "_exact_scan")}
     paths = f"{per_query['_hnsw_scan']:.2f} HNSW + {per_query['_exact_scan']:.2f} exact per query"

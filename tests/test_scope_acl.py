@@ -355,7 +355,7 @@ async def test_a_selective_acl_still_fills_the_vector_leg(runtime: Runtime) -> N
         # No connection filter: only this test writes to this embedding table, so the ACL alone
         # decides, as it would for a caller searching everything.
         scope = Scope.build(SearchFilters(), principal, first_param=3)
-        leg = await store.vector_leg(table, query, 30, scope)
+        leg = [hit.chunk_id for hit in await store.vector_leg(table, query, 30, scope)]
         expected = exact(principal)
         assert len(leg) == len(expected) == size, name
         assert all(may_see(principal, acl_of[chunks[chunk][0]]) for chunk in leg), name

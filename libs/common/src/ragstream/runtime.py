@@ -145,6 +145,8 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 embedder,
                 CitationStore(pool),
                 settings=RetrievalSettings(
+                    fusion=settings.fusion,
+                    convex_alpha=settings.fusion_alpha,
                     rrf_k=settings.rrf_k,
                     vector_weight=settings.rrf_vector_weight,
                     keyword_weight=settings.rrf_keyword_weight,

@@ -74,6 +74,17 @@ class Settings(BaseSettings):
     ] = 16 * 1024 * 1024
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
     # Defaults tuned on InsuranceQA v2 `valid`, English and Chinese together (docs/retrieval-quality.md).
+    fusion: Annotated[
+        Literal["rrf", "convex"],
+        Field(
+            title="How the two legs are fused",
+            description="convex: alpha · BM25 / best BM25 + (1 − alpha) · cosine; rrf: reciprocal rank fusion.",
+        ),
+    ] = "convex"
+    fusion_alpha: Annotated[
+        float,
+        Field(title="Keyword share of the convex fusion", description="0: vector only, 1: keyword only.", ge=0, le=1),
+    ] = 0.7
     rrf_k: Annotated[int, Field(title="RRF k", description="Higher flattens the rank differences.", ge=1)] = 60
     rrf_vector_weight: Annotated[float, Field(title="RRF weight of the vector leg", ge=0)] = 1.0
     rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 20.0

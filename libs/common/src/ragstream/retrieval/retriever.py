@@ -1,25 +1,26 @@
-"""Hybrid retrieval: scope → vector and keyword legs → RRF → optional rerank → budget → citations."""
+"""Hybrid retrieval: scope → vector and keyword legs → fusion → optional rerank → budget → citations."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
 import asyncpg
 
-from ragstream.embedding.base import Embedder
+from ragstream.embedding.base import Embedder, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
-from ragstream.retrieval.fusion import RRF_K, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import RRF_K, Fusion, convex_fusion, reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
 from ragstream.retrieval.rephrase import QueryRephraser
 from ragstream.retrieval.rerank import Reranker
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import ChunkRecord, SearchStore
+from ragstream.storage.search import ChunkRecord, Hit, SearchStore
 
 __all__ = ["HybridRetriever", "RetrievalSettings"]
 
@@ -29,12 +30,25 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class RetrievalSettings:
     leg_size: int = 30
+    fusion: Fusion = "convex"
+    convex_alpha: float = 0.7
     rrf_k: int = RRF_K
     vector_weight: float = 1.0
     keyword_weight: float = 1.0
     rerank_candidates: int = 30
     rerank_timeout_s: float = 5.0
     rephrase_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class _VectorLeg:
+    """The vector leg's hits and what produced them: the space (reported with the results), and its
+    table and query vector, which score fusion reuses for the keyword leg's other chunks."""
+
+    hits: list[Hit]
+    model_key: str | None = None
+    table: str | None = None
+    vector: Vectors | None = None
 
 
 class HybridRetriever:
@@ -65,26 +79,22 @@ class HybridRetriever:
         # Both legs put their own two parameters first, so one clause serves both.
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
-        (vector_ids, space), keyword_ids = await asyncio.gather(
+        vector, keyword = await asyncio.gather(
             self._vector_leg(query, scope), self._store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
         )
-        fused = reciprocal_rank_fusion(
-            [vector_ids, keyword_ids],
-            weights=[self._settings.vector_weight, self._settings.keyword_weight],
-            k=self._settings.rrf_k,
-        )
+        fused = await self._fuse(vector, keyword)
         candidates = fused[: max(request.top_k, self._settings.rerank_candidates if self._reranker else 0)]
         records = await self._store.chunks([chunk for chunk, _ in candidates])
         # Deleted between the legs and the read-back: the next search will not see it either.
         ranked = [(records[chunk], score) for chunk, score in candidates if chunk in records]
         ranked, reranked = await self._rerank(query, ranked, request.top_k)
-        results = await self._results(request, ranked[: request.top_k], terms, vector_ids, keyword_ids)
+        results = await self._results(request, ranked[: request.top_k], terms, vector.hits, keyword)
         return SearchResponse(
             query=request.query,
             rewritten_query=query if query != request.query else None,
             results=results,
             reranked=reranked,
-            embedding_space=space,
+            embedding_space=vector.model_key,
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
@@ -98,27 +108,44 @@ class HybridRetriever:
             logger.warning("query rephrasing failed, searching the raw query: %s", error)
             return request.query
 
-    async def _vector_leg(self, query: str, scope: Scope) -> tuple[list[str], str | None]:
-        """Ids nearest to the query and the space that served them: one model for query and table."""
+    async def _vector_leg(self, query: str, scope: Scope) -> _VectorLeg:
+        """The chunks nearest to the query and the space that served them: one model for query and table."""
         if self._spaces is None:
             table = await self._store.embedding_table(self._embedder.model_key)
             if table is None:
-                return [], None
-            vector = (await self._embedder.embed([query], kind="query"))[0]
-            return await self._store.vector_leg(table, vector, self._settings.leg_size, scope), self._embedder.model_key
+                return _VectorLeg([])
+            return await self._space_leg(query, scope, table, self._embedder, self._embedder.model_key)
         space = await self._spaces.current()
         try:
-            return await self._space_leg(query, scope, space.table, space.embedder), space.model_key
+            return await self._space_leg(query, scope, space.table, space.embedder, space.model_key)
         except asyncpg.UndefinedTableError:
             # A re-index switched and dropped this table after the space was read: search the new
             # active space instead, embedding the query again with its model.
             self._spaces.invalidate()
             space = await self._spaces.current()
-            return await self._space_leg(query, scope, space.table, space.embedder), space.model_key
+            return await self._space_leg(query, scope, space.table, space.embedder, space.model_key)
 
-    async def _space_leg(self, query: str, scope: Scope, table: str, embedder: Embedder) -> list[str]:
+    async def _space_leg(self, query: str, scope: Scope, table: str, embedder: Embedder, model_key: str) -> _VectorLeg:
         vector = (await embedder.embed([query], kind="query"))[0]
-        return await self._store.vector_leg(table, vector, self._settings.leg_size, scope)
+        hits = await self._store.vector_leg(table, vector, self._settings.leg_size, scope)
+        return _VectorLeg(hits, model_key, table, vector)
+
+    async def _fuse(self, vector: _VectorLeg, keyword: list[Hit]) -> list[tuple[str, float]]:
+        settings = self._settings
+        if settings.fusion == "rrf":
+            return reciprocal_rank_fusion(
+                [[hit.chunk_id for hit in vector.hits], [hit.chunk_id for hit in keyword]],
+                weights=[settings.vector_weight, settings.keyword_weight],
+                k=settings.rrf_k,
+            )
+        similarity: dict[str, float] = {}
+        found = {hit.chunk_id for hit in vector.hits}
+        missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
+        if missing and vector.table is not None and vector.vector is not None:
+            # A re-index may have dropped the table since the leg: fuse without the similarities then.
+            with contextlib.suppress(asyncpg.UndefinedTableError):
+                similarity = await self._store.similarities(vector.table, vector.vector, missing)
+        return convex_fusion(vector.hits, keyword, alpha=settings.convex_alpha, similarity=similarity)
 
     async def _rerank(
         self, query: str, ranked: list[tuple[ChunkRecord, float]], top_k: int
@@ -140,16 +167,16 @@ class HybridRetriever:
         request: SearchRequest,
         ranked: list[tuple[ChunkRecord, float]],
         terms: list[str],
-        vector_ids: list[str],
-        keyword_ids: list[str],
+        vector_hits: list[Hit],
+        keyword_hits: list[Hit],
     ) -> list[SearchResult]:
         documents = list(dict.fromkeys(record.document_id for record, _ in ranked))
         if request.conversation_id:
             numbers = await self._citations.assign(request.conversation_id, documents)
         else:
             numbers = {document: index for index, document in enumerate(documents, start=1)}
-        vector_rank = {chunk: rank for rank, chunk in enumerate(vector_ids, start=1)}
-        keyword_rank = {chunk: rank for rank, chunk in enumerate(keyword_ids, start=1)}
+        vector_rank = {hit.chunk_id: rank for rank, hit in enumerate(vector_hits, start=1)}
+        keyword_rank = {hit.chunk_id: rank for rank, hit in enumerate(keyword_hits, start=1)}
         results: list[SearchResult] = []
         budget = MAX_CALL_CHARS
         for record, score in ranked:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import asyncpg
 import numpy as np
@@ -13,7 +13,7 @@ import numpy as np
 from ragstream.embedding.base import Vectors
 from ragstream.storage.scope import Scope
 
-__all__ = ["ChunkRecord", "KeywordRanking", "SearchStore"]
+__all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore"]
 
 KeywordRanking = Literal["bm25", "ts_rank"]
 
@@ -82,15 +82,24 @@ _BM25 = (
     counted AS (SELECT id, field, dl, tf, count(*) OVER (PARTITION BY field, lexeme)::float8 AS df FROM hits),
     p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avg_words}::float8 AS avg_words,
                  ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight)
-    SELECT id FROM counted, p
+    SELECT id, sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
+                   * ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5)) * tf * (p.k1 + 1)
+                   / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
+               ) AS score
+    FROM counted, p
     GROUP BY id
-    ORDER BY sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
-                 * ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5)) * tf * (p.k1 + 1)
-                 / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
-    ) DESC, id
+    ORDER BY score DESC, id
     LIMIT $2
 """
 )
+
+
+class Hit(NamedTuple):
+    """One chunk a leg found, with the leg's own score (higher is better): cosine similarity for the
+    vector leg, BM25 (or ts_rank_cd) for the keyword leg. Score fusion needs the values, RRF only the order."""
+
+    chunk_id: str
+    score: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,30 +165,30 @@ class SearchStore:
     _EF_MAX = 1000  # upper bound of hnsw.ef_search in pgvector 0.6
     _EF_SLACK = 1.25  # a first scan within this factor of the ef_search it needed is kept
 
-    async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[str]:
+    async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[Hit]:
         """Ids of the ``limit`` chunks nearest to the query within the scope, fewer only when the
         scope holds fewer: however selective the scope, the leg never comes back short."""
         vector = np.asarray(query_vector, dtype=np.float32)
         base = min(max(self._ef_search, limit), self._EF_MAX)
         async with self._pool.acquire() as connection, connection.transaction():
-            ids, visible, seen = await self._hnsw_scan(connection, table, vector, limit, scope, base)
-            if len(ids) == limit and visible * self._EF_SLACK >= base:
-                return ids
+            hits, visible, seen = await self._hnsw_scan(connection, table, vector, limit, scope, base)
+            if len(hits) == limit and visible * self._EF_SLACK >= base:
+                return hits
             # Fewer than half the candidates asked for: a small table (or one full of dead rows not
             # vacuumed yet), where widening the scan cannot help and the exact scan is cheap.
             if seen * 2 >= base:
                 # ef_search at which about ``base`` candidates would be visible, at the share seen.
                 wanted = -(-base * base // visible) if visible else self._EF_MAX + 1
                 if wanted <= self._EF_MAX:
-                    ids, _, _ = await self._hnsw_scan(connection, table, vector, limit, scope, wanted)
-                    if len(ids) == limit:
-                        return ids
+                    hits, _, _ = await self._hnsw_scan(connection, table, vector, limit, scope, wanted)
+                    if len(hits) == limit:
+                        return hits
             return await self._exact_scan(connection, table, vector, limit, scope)
 
     @staticmethod
     async def _hnsw_scan(
         connection: asyncpg.Connection, table: str, vector: np.ndarray, limit: int, scope: Scope, ef: int
-    ) -> tuple[list[str], int, int]:
+    ) -> tuple[list[Hit], int, int]:
         """The nearest visible chunks among the ``ef`` the index yields, how many of those were
         visible, and how many it yielded (fewer than ``ef`` when the table is small)."""
         await connection.execute(f"SET LOCAL hnsw.ef_search = {ef}")
@@ -189,33 +198,43 @@ class SearchStore:
             f" visible AS (SELECT c.id, ca.distance FROM candidates ca JOIN chunks c ON c.id = ca.chunk_id"
             f"  {scope.joins} WHERE {scope.sql})"
             " SELECT (SELECT count(*) FROM candidates) AS seen, (SELECT count(*) FROM visible) AS visible,"
-            " ARRAY(SELECT id FROM visible ORDER BY distance, id LIMIT $2) AS ids",
+            " ARRAY(SELECT ROW(id, 1 - distance) FROM visible ORDER BY distance, id LIMIT $2) AS hits",
             vector,
             limit,
             *scope.params,
         )
         assert row is not None
-        return list(row["ids"]), int(row["visible"]), int(row["seen"])
+        return [Hit(*hit) for hit in row["hits"]], int(row["visible"]), int(row["seen"])
 
     @staticmethod
     async def _exact_scan(
         connection: asyncpg.Connection, table: str, vector: np.ndarray, limit: int, scope: Scope
-    ) -> list[str]:
+    ) -> list[Hit]:
         """Distances to every scoped chunk: computed in a CTE so no index can answer the ORDER BY."""
         rows = await connection.fetch(
             f"WITH scoped AS MATERIALIZED (SELECT c.id, e.embedding <=> $1 AS distance FROM {table} e"
             f"  JOIN chunks c ON c.id = e.chunk_id {scope.joins} WHERE {scope.sql})"
-            " SELECT id FROM scoped ORDER BY distance, id LIMIT $2",
+            " SELECT id, 1 - distance AS score FROM scoped ORDER BY distance, id LIMIT $2",
             vector,
             limit,
             *scope.params,
         )
-        return [row["id"] for row in rows]
+        return [Hit(row["id"], row["score"]) for row in rows]
+
+    async def similarities(self, table: str, query_vector: Vectors, chunk_ids: Sequence[str]) -> dict[str, float]:
+        """Cosine similarity of the query to each of ``chunk_ids`` that has a vector in ``table``:
+        score fusion needs it for the keyword leg's chunks that the vector leg did not return."""
+        rows = await self._pool.fetch(
+            f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {table} WHERE chunk_id = ANY($2::text[])",
+            np.asarray(query_vector, dtype=np.float32),
+            list(chunk_ids),
+        )
+        return {row["chunk_id"]: row["score"] for row in rows}
 
     async def keyword_leg(
         self, terms: Sequence[str], limit: int, scope: Scope, *, query: str | None = None
-    ) -> list[str]:
-        """Ids of the best ``limit`` chunks in the scope holding at least one of the terms.
+    ) -> list[Hit]:
+        """The best ``limit`` chunks in the scope holding at least one of the terms.
 
         ``terms`` are the query's words (``segmentation.query_terms``). ``query``, the raw text they
         came from, adds its Chinese character bigrams to the BM25 ranking; without it, BM25 ranks by
@@ -225,14 +244,15 @@ class SearchStore:
             return []
         if self._keyword_ranking == "ts_rank":
             rows = await self._pool.fetch(
-                f"WITH q AS ({_TSQUERY}) SELECT c.id FROM q, chunks c {scope.joins}"
+                f"WITH q AS ({_TSQUERY}) SELECT c.id, ts_rank_cd(c.search_vector, q.query) AS score"
+                f" FROM q, chunks c {scope.joins}"
                 f" WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope.sql}"
-                " ORDER BY ts_rank_cd(c.search_vector, q.query) DESC, c.id LIMIT $2",
+                " ORDER BY score DESC, c.id LIMIT $2",
                 list(terms),
                 limit,
                 *scope.params,
             )
-            return [row["id"] for row in rows]
+            return [Hit(row["id"], row["score"]) for row in rows]
         stats = await self._corpus_stats()
         k1, b, bigram_weight = self._bm25
         values = {
@@ -254,7 +274,7 @@ class SearchStore:
             *scope.params,
             *values.values(),
         )
-        return [row["id"] for row in rows]
+        return [Hit(row["id"], row["score"]) for row in rows]
 
     async def _corpus_stats(self) -> _CorpusStats:
         """Number of chunks and average field lengths, at most ``stats_ttl_s`` old.

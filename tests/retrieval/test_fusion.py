@@ -1,0 +1,138 @@
+"""The two fusions: RRF by ranks, the convex combination by scores; and the retriever's convex path on
+a real PostgreSQL, checked against cosines computed here from the stored vectors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ragstream.connectors.folder import FolderConnector
+from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchFilters, SearchRequest
+from ragstream.retrieval.fusion import convex_fusion, reciprocal_rank_fusion
+from ragstream.runtime import Runtime
+from ragstream.segmentation import query_terms
+from ragstream.storage.citations import CitationStore
+from ragstream.storage.scope import Scope
+from ragstream.storage.search import Hit, SearchStore
+
+
+def order(fused: list[tuple[str, float]]) -> list[str]:
+    return [chunk for chunk, _ in fused]
+
+
+def test_rrf_puts_a_chunk_both_legs_found_above_either_legs_first() -> None:
+    fused = reciprocal_rank_fusion([["v1", "both", "v3"], ["k1", "both", "v3"]])
+    assert order(fused)[:2] == ["both", "v3"]
+    assert dict(reciprocal_rank_fusion([["a", "b", "a"]]))["a"] == pytest.approx(1 / 61)  # a repeat counts once
+    assert order(reciprocal_rank_fusion([["v"], ["k"]], weights=[1.0, 3.0])) == ["k", "v"]
+    with pytest.raises(ValueError, match="one weight per ranking"):
+        reciprocal_rank_fusion([["a"]], weights=[1.0, 2.0])
+
+
+def test_convex_keeps_the_margin_rrf_throws_away() -> None:
+    # The keyword leg is sure of "exact" (ten times the BM25 of the next); "near" is in both legs.
+    keyword = [Hit("exact", 10.0), Hit("near", 1.0)]
+    vector = [Hit("near", 0.50), Hit("other", 0.45)]
+    similarity = {"exact": 0.20}
+
+    fused = convex_fusion(vector, keyword, alpha=0.7, similarity=similarity)
+
+    assert order(reciprocal_rank_fusion([["near", "other"], ["exact", "near"]]))[0] == "near"
+    assert order(fused) == ["exact", "near", "other"]
+    assert dict(fused) == pytest.approx({"exact": 0.7 + 0.3 * 0.2, "near": 0.07 + 0.3 * 0.5, "other": 0.3 * 0.45})
+
+
+def test_convex_at_its_ends_is_one_leg() -> None:
+    keyword = [Hit("k1", 3.0), Hit("k2", 2.0), Hit("both", 1.0)]
+    vector = [Hit("v1", 0.9), Hit("both", 0.8), Hit("v2", 0.7)]
+    similarity = {"k1": 0.1, "k2": 0.75}
+
+    assert order(convex_fusion(vector, keyword, alpha=1.0, similarity=similarity))[:3] == ["k1", "k2", "both"]
+    assert order(convex_fusion(vector, keyword, alpha=0.0, similarity=similarity)) == [
+        "v1",
+        "both",
+        "k2",
+        "v2",
+        "k1",
+    ]
+
+
+def test_a_keyword_chunk_without_a_vector_counts_as_the_vector_legs_last() -> None:
+    keyword = [Hit("unembedded", 1.0)]
+    vector = [Hit("v1", 0.9), Hit("v2", 0.4)]
+
+    fused = dict(convex_fusion(vector, keyword, alpha=0.5, similarity={}))
+
+    assert fused["unembedded"] == pytest.approx(0.5 + 0.5 * 0.4)
+
+
+def test_convex_edge_cases() -> None:
+    assert convex_fusion([], [], alpha=0.5, similarity={}) == []
+    # A zero best keyword score (ts_rank can give 0) must not divide by zero.
+    assert order(convex_fusion([Hit("v", 0.3)], [Hit("k", 0.0)], alpha=0.5, similarity={"k": 0.1})) == ["v", "k"]
+    for alpha in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            convex_fusion([], [], alpha=alpha, similarity={})
+
+
+@pytest.mark.integration
+async def test_the_retriever_scores_every_candidate_by_both_legs(runtime: Runtime, corpus: Path) -> None:
+    """With legs of 2, one of the keyword leg's chunks (crafts.md: "trades" five times, about jobs)
+    falls outside the vector leg: its cosine is read from the store, so each fused score is
+    alpha · BM25 / best + (1 − alpha) · cosine, for every result."""
+    documents = {
+        "kafka.md": "# Kafka retention\n\nThe trades topic keeps messages for thirty days.",
+        "backup.md": "# Backups\n\nThe database is backed up every night; restores are tested monthly.",
+        "leave.md": "# Leave\n\nEmployees have twenty-five days of paid leave a year.",
+        "vpn.md": "# VPN\n\nConnect to the office network with the VPN client before opening the wiki.",
+        "retention.md": "# Data retention\n\nCustomer records are kept for seven years, then deleted.",
+        "on-call.md": "# On call\n\nThe on-call engineer answers pages within fifteen minutes.",
+        "crafts.md": "# Trades\n\nTrades: plumbers, electricians and carpenters. Trades, trades and more trades.",
+    }
+    for name, text in documents.items():
+        (corpus / name).write_text(text)
+    connector = FolderConnector(corpus)
+    assert (await runtime.pipeline().sync(connector)).ok
+    filters = SearchFilters(connection_ids=[connector.connection_id])
+    query = "how many days of retention does the trades topic keep"
+    store = SearchStore(runtime.pool)
+    alpha = 0.6
+    retriever = HybridRetriever(
+        store,
+        runtime.embedder,
+        CitationStore(runtime.pool),
+        settings=RetrievalSettings(leg_size=2, fusion="convex", convex_alpha=alpha),
+    )
+
+    response = await retriever.search(SearchRequest(query=query, top_k=4, filters=filters))
+
+    keyword = await store.keyword_leg(query_terms(query), 2, Scope.build(filters, None, first_param=3), query=query)
+    table = await store.embedding_table(runtime.embedder.model_key)
+    assert table is not None
+    rows = await runtime.pool.fetch(
+        f"SELECT e.chunk_id, e.embedding FROM {table} e JOIN chunks c ON c.id = e.chunk_id"
+        " JOIN documents d ON d.id = c.document_id WHERE d.connection_id = $1",
+        connector.connection_id,
+    )
+    query_vector = (await runtime.embedder.embed([query], kind="query"))[0]
+    cosine = {
+        row["chunk_id"]: float(
+            np.dot(row["embedding"].to_numpy(), query_vector)
+            / (np.linalg.norm(row["embedding"].to_numpy()) * np.linalg.norm(query_vector))
+        )
+        for row in rows
+    }
+    best = keyword[0].score
+    lexical = {hit.chunk_id: hit.score / best for hit in keyword}
+    vector_only = [r for r in response.results if r.keyword_rank is None]
+    keyword_only = [r for r in response.results if r.vector_rank is None]
+
+    assert keyword_only and vector_only, "legs of 2 over 7 documents: each leg adds its own"
+    assert len(response.results) == len({*lexical, *(r.chunk_id for r in vector_only)}) == 3
+    for result in response.results:
+        expected = alpha * lexical.get(result.chunk_id, 0.0) + (1 - alpha) * cosine[result.chunk_id]
+        assert result.score == pytest.approx(expected, abs=1e-5), result.source
+    assert [r.score for r in response.results] == sorted((r.score for r in response.results), reverse=True)
+    assert response.results[0].source == "kafka.md"
