@@ -327,6 +327,8 @@ def _status_row(item: ConnectionOverview) -> dict[str, Any]:
         "reason": run.reason if run is not None else None,
         **{name: getattr(counts, name) if counts is not None else 0 for name in _COUNT_NAMES},
         "listing_done": counts.listing_done if counts is not None else False,
+        "direction": counts.direction if counts is not None else None,
+        "resumed": counts.resumed if counts is not None else False,
         "rate": run.rate if run is not None else None,
         "eta_seconds": run.eta_seconds if run is not None else None,
         "started_at": run.started_at.isoformat() if run is not None and run.started_at else None,

@@ -8,6 +8,8 @@ to ``doc.changed`` again.
 Each sync is also a row in ``sync_runs`` with the fetch stage's counts, so the database refuses a
 second sync of a connection from any replica and ``ragstream status`` shows it; its status is the
 fetch stage's (ready: everything announced; indexing goes on downstream).
+The fetch keeps its ``download`` cursor in PostgreSQL, so a fetcher killed mid-walk resumes it on the
+next sync; the index side's cursors here are the consumer groups' committed offsets.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def create_app() -> FastAPI:
             deleted=counts.deleted,
             failed=counts.failed,
             listing_done=listing_done,
+            direction=counts.direction,
+            resumed=counts.resumed,
         )
 
     async def run_sync(connector: FolderConnector, run: SyncRun) -> None:
@@ -105,6 +109,7 @@ def create_app() -> FastAPI:
             service = FetchService(
                 state["runtime"].store, connector, max_document_bytes=settings.max_document_bytes, on_item=observe
             )
+            await service.register()
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
             await runs.finish(run.id, RunStatus.READY, None, run_counts(counts, listing_done=True), rate(counts))
