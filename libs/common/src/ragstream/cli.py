@@ -359,13 +359,16 @@ def status(
     if as_json:
         sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=2) + "\n")
         return
-    table = Table("connection", "platform", "status", "done/listed", "indexed", "failed", "docs/s", "ETA", "last error")
+    table = Table(
+        "connection", "platform", "status", "walk", "done/listed", "indexed", "failed", "docs/s", "ETA", "last error"
+    )
     for row in rows:
         done = row["unchanged"] + row["indexed"] + row["failed"]
         table.add_row(
             row["name"],
             row["platform"],
             row["status"] or "never synced",
+            (row["direction"] or "") + (", resumed" if row["resumed"] else ""),
             f"{done}/{row['listed']}",
             str(row["indexed"]),
             str(row["failed"]),

@@ -66,8 +66,9 @@ class FetchService:
 
     The walk keeps a ``download`` cursor (the last external id it finished). A sync that stopped
     midway leaves it unfinished, and the next one resumes it: what the stopped walk staged but never
-    indexed is announced again from the staging store, and items up to the cursor are not looked at
-    again. Whatever changed meanwhile behind the cursor is found by the next, forward, walk.
+    indexed is announced again from the staging store, and the other items up to the cursor are not
+    examined again. The whole listing is still walked: it is cheap, and deletions need all of it. A
+    failure or change behind the cursor meanwhile is found by the next walk, a forward one.
     """
 
     def __init__(
@@ -135,16 +136,20 @@ class FetchService:
         counts: SyncCounts,
     ) -> bool:
         """Where one listed item goes; False when it vanished and must be treated as deleted."""
-        if staged is not None and staged.source_version == item.source_version:
-            # Downloaded by the interrupted sync and not changed since: index it from staging.
-            header = self._header(item, staged.document_id, staged.version, staged.content_hash)
-            await sink.changed(DocumentChanged(header=header))
-            counts.changed += 1
-            counts.restaged += 1
-            counts.changed_ids.append(header.document_id)
-            return True
-        if walk.position is not None and item.external_id <= walk.position:
-            counts.unchanged += 1  # finished by the interrupted walk
+        if staged is not None:
+            if staged.source_version == item.source_version:
+                # Downloaded by the interrupted sync and not changed since: index it from staging.
+                header = self._header(item, staged.document_id, staged.version, staged.content_hash)
+                await sink.changed(DocumentChanged(header=header))
+                counts.changed += 1
+                counts.restaged += 1
+                counts.changed_ids.append(header.document_id)
+                return True
+            # Changed since it was staged: download it again, wherever the cursor stands.
+        elif walk.position is not None and item.external_id <= walk.position:
+            # Finished by the interrupted walk. Without a cheap version (source_version None) it would
+            # otherwise be downloaded again just to compare hashes.
+            counts.unchanged += 1
             return True
         return await self._process(item, committed.get(item.external_id), sink, counts)
 
