@@ -93,18 +93,30 @@ async def test_an_interrupted_sync_resumes_without_downloading_again(
     staged_unindexed = await runtime.store.pending_staged(connection_id)
     assert staged_unindexed, "the interruption left no staged, unindexed document to resume"
     assert set(staged_unindexed) <= set(down.downloaded)
+    # One staged document is edited while the sync is down: its cheap version tells, so it is downloaded
+    # again (a listing without versions cannot tell; its next sync compares the hash).
+    edited = min(staged_unindexed) if versions else None
+    if edited is not None:
+        (corpus / edited).write_text("# Edited\n\nChanged while the sync was down: orchidvault edited.\n")
 
     again = CountingFolder(corpus, versions=versions)
     resumed = await runtime.pipeline().sync(again)
 
     assert resumed.ok, resumed.failures
     assert (resumed.progress.direction, resumed.progress.resumed) == ("backward", True)
-    # Nothing downloaded before the interruption is downloaded again; everything else is, once.
-    assert not set(again.downloaded) & set(down.downloaded)
-    assert sorted(again.downloaded + down.downloaded) == sorted([item.external_id async for item in again.list_items()])
+    # Nothing downloaded before the interruption is downloaded again (but the edit); the rest is, once.
+    assert set(again.downloaded) & set(down.downloaded) == ({edited} if edited else set())
+    listing = [item.external_id async for item in again.list_items()]
+    assert sorted(again.downloaded + down.downloaded) == sorted(listing + ([edited] if edited else []))
     assert resumed.progress.indexed == DOCUMENTS - (7 - len(staged_unindexed))
     assert await runtime.store.pending_staged(connection_id) == {}
-    assert all(cursor is not None and cursor.completed for cursor in [await cursors.get(connection_id, "download")])
+    for stage in ("download", "index"):
+        cursor = await cursors.get(connection_id, stage)
+        assert (
+            cursor is not None
+            and cursor.completed
+            and cursor.items == (DOCUMENTS if stage == "download" else resumed.progress.indexed)
+        )
 
     forward = CountingFolder(corpus, versions=versions)
     incremental = await runtime.pipeline().sync(forward)
