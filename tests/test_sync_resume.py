@@ -17,8 +17,10 @@ from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import RunStatus, SyncRunStore
+from ragstream.messages import DocumentChanged, DocumentDeleted
 from ragstream.pipeline import SyncProgress
 from ragstream.runtime import Runtime
+from ragstream.stages.fetch import FetchService
 
 pytestmark = pytest.mark.integration
 
@@ -134,6 +136,36 @@ async def test_an_interrupted_sync_resumes_without_downloading_again(
     assert resumed_index == await index_of(runtime, FolderConnector(clean_corpus).connection_id)
     assert len({(source, ordinal) for source, _, ordinal, _ in resumed_index}) == len(resumed_index)
     assert len({source for source, *_ in resumed_index}) == DOCUMENTS
+
+
+class LostQueue:
+    """The embedded runner's queue of a process that dies: announced, never indexed."""
+
+    async def changed(self, message: DocumentChanged) -> None:
+        pass
+
+    async def deleted(self, message: DocumentDeleted) -> None:
+        pass
+
+
+async def test_what_the_index_side_never_indexed_is_indexed_from_staging(runtime: Runtime, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connector = CountingFolder(corpus)
+    # The process completed the download walk, then died with everything still in its queue.
+    fetch = FetchService(runtime.store, connector, max_document_bytes=runtime.settings.max_document_bytes)
+    await fetch.register()
+    await runtime.store.cursors.begin(connector.connection_id, "index")
+    assert (await fetch.run(LostQueue())).changed == DOCUMENTS
+    assert len(connector.downloaded) == DOCUMENTS
+
+    after = CountingFolder(corpus)
+    report = await runtime.pipeline().sync(after)
+
+    # The download walk had completed, so this one is forward; the unfinished index walk resumes.
+    assert (report.progress.direction, report.progress.resumed) == ("forward", True)
+    assert (after.downloaded, report.progress.indexed) == ([], DOCUMENTS)
 
 
 async def test_a_forward_sync_downloads_only_changes_and_finds_deletions(runtime: Runtime, tmp_path: Path) -> None:
