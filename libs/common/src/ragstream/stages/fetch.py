@@ -37,7 +37,8 @@ class ConfiguredConnector(Protocol):
 
 
 # A walk writes its cursor after every download (a download costs far more than the write) and
-# otherwise at most this often: a cursor that lags only makes a resumed walk look at a few items again.
+# otherwise at most this often: a cursor that lags only makes a resumed walk examine a few items again
+# (and, for a listing without cheap versions, download them to compare hashes).
 _CURSOR_INTERVAL_S = 1.0
 
 
@@ -51,6 +52,7 @@ class SyncCounts:
     acl_updated: int = 0
     # Announced from the staging store: downloaded by an interrupted sync, never indexed.
     restaged: int = 0
+    # Contents read from the source (changed or not): what the cheap versions and the cursor save.
     downloaded: int = 0
     direction: Direction | None = None
     resumed: bool = False
