@@ -58,6 +58,8 @@ def test_ingest_reports_progress_and_failures_then_search(database_url: str, cor
     )
     assert (mine["listed"], mine["unchanged"], mine["indexed"], mine["failed"]) == (3, 2, 0, 1)
     assert mine["listing_done"] and mine["finished_at"] is not None
+    # The first ingest walked everything (backward); this second one only what changed.
+    assert (mine["direction"], mine["resumed"]) == ("forward", False)
     table = run(["status"], env)
     assert table.returncode == 0 and "Ready" in table.stdout and "1 document failed: 1 binary" in table.stdout
 

@@ -219,7 +219,15 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, co
     done = await runs.get(run.id)
     assert done is not None and done.status is RunStatus.READY and done.reason is None
     assert done.counts == RunCounts(
-        listed=300, unchanged=0, changed=300, indexed=300, deleted=0, failed=0, chunks=300, listing_done=True
+        listed=300,
+        unchanged=0,
+        changed=300,
+        indexed=300,
+        deleted=0,
+        failed=0,
+        chunks=300,
+        listing_done=True,
+        direction="backward",
     )
     assert done.rate is not None and done.rate > 0 and done.finished_at is not None
     assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)

@@ -94,12 +94,13 @@ def found(retriever: ServiceProcess, folder: Path, term: str) -> list[str]:
     return [str(r["source"]) for r in search(retriever, folder, term) if term in str(r["text"])]
 
 
-async def fetch_runs(database_url: str, folder: Path) -> list[tuple[str, str, int, int, int, int, int]]:
-    """(trigger, status, listed, changed, deleted, indexed, failed) of the folder's sync runs, oldest first."""
+async def fetch_runs(database_url: str, folder: Path) -> list[tuple[str, str, int, int, int, int, int, str]]:
+    """(trigger, status, listed, changed, deleted, indexed, failed, direction) of the folder's sync runs,
+    oldest first."""
     connection = await asyncpg.connect(database_url)
     try:
         rows = await connection.fetch(
-            "SELECT trigger, status, listed, changed, deleted, indexed, failed FROM sync_runs"
+            "SELECT trigger, status, listed, changed, deleted, indexed, failed, direction FROM sync_runs"
             " WHERE connection_id = $1 ORDER BY id",
             FolderConnector(folder).connection_id,
         )
@@ -145,9 +146,9 @@ def test_ingest_edit_delete_through_kafka(
     wait_until(lambda: found(retriever, folder, "值班交接") == [], what="deletion indexed")
     # Each run counts what the indexer committed, not only what the fetcher announced.
     assert asyncio.run(fetch_runs(database_url, folder)) == [
-        ("api", "ready", 2, 2, 0, 2, 0),
-        ("api", "ready", 2, 1, 0, 1, 0),
-        ("api", "ready", 1, 0, 1, 0, 0),
+        ("api", "ready", 2, 2, 0, 2, 0, "backward"),
+        ("api", "ready", 2, 1, 0, 1, 0, "forward"),
+        ("api", "ready", 1, 0, 1, 0, 0, "forward"),
     ]
 
 

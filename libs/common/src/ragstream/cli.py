@@ -330,6 +330,8 @@ def _status_row(item: ConnectionOverview) -> dict[str, Any]:
         "reason": run.reason if run is not None else None,
         **{name: getattr(counts, name) if counts is not None else 0 for name in _COUNT_NAMES},
         "listing_done": counts.listing_done if counts is not None else False,
+        "direction": counts.direction if counts is not None else None,
+        "resumed": counts.resumed if counts is not None else False,
         "rate": run.rate if run is not None else None,
         "eta_seconds": run.eta_seconds if run is not None else None,
         "started_at": run.started_at.isoformat() if run is not None and run.started_at else None,
@@ -360,13 +362,16 @@ def status(
     if as_json:
         sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=2) + "\n")
         return
-    table = Table("connection", "platform", "status", "done/listed", "indexed", "failed", "docs/s", "ETA", "last error")
+    table = Table(
+        "connection", "platform", "status", "walk", "done/listed", "indexed", "failed", "docs/s", "ETA", "last error"
+    )
     for row in rows:
         done = row["unchanged"] + row["indexed"] + row["failed"]
         table.add_row(
             row["name"],
             row["platform"],
             row["status"] or "never synced",
+            (row["direction"] or "") + (", resumed" if row["resumed"] else ""),
             f"{done}/{row['listed']}",
             str(row["indexed"]),
             str(row["failed"]),

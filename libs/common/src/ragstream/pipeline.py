@@ -17,6 +17,7 @@ from ragstream.stages.embed import EmbedService
 from ragstream.stages.fetch import ChangeSink, FetchService, SyncCounts
 from ragstream.stages.index import IndexService
 from ragstream.stages.replay import ReplayCounts, ReplayService
+from ragstream.storage.cursors import Direction
 from ragstream.storage.documents import DocumentStore, Failure
 
 __all__ = ["EmbeddedPipeline", "SyncProgress", "SyncReport"]
@@ -37,6 +38,9 @@ class SyncProgress:
     failed_processing: int = 0
     chunks: int = 0
     listing_done: bool = False
+    # Which walk this sync is (backward: the first, full one), and whether it resumed a stopped one.
+    direction: Direction | None = None
+    resumed: bool = False
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -91,6 +95,11 @@ class _QueueSink:
 class EmbeddedPipeline:
     """Runs a sync to the end: fetch announces changes, workers chunk, embed and index each document.
 
+    Both sides keep a cursor (``sync_cursors``): the fetch's ``download`` walk and the workers' ``index``
+    walk, which completes only once everything announced is indexed or failed. A sync that stops
+    before that leaves the index walk unfinished, and the next sync announces what is staged but not
+    indexed again from the staging store instead of downloading it again.
+
     Every failure is per document: a transient one (provider down, throttled) is retried by
     ``retry``, each retry counted on the document, and a document that still fails is recorded in
     ``document_failures`` with its step and reason while the other documents go on, unless the
@@ -130,12 +139,24 @@ class EmbeddedPipeline:
         async def listed(counts: SyncCounts) -> None:
             progress.listed, progress.unchanged, progress.changed = counts.seen, counts.unchanged, counts.changed
             progress.failed_fetching = counts.failed
+            progress.direction, progress.resumed = counts.direction, counts.resumed
             notify(progress)
 
+        connection_id = connector.connection_id
+        cursors = self._store.cursors
         fetch = FetchService(self._store, connector, max_document_bytes=self._max_bytes, on_item=listed)
+        await fetch.register()
+        index_walk = await cursors.begin(connection_id, "index")
+
+        async def indexed(message: DocumentChanged) -> None:
+            await cursors.advance(connection_id, "index", str(message.header.version), progress.indexed)
+
         guard = EmbeddingGuard(self._max_unembedded_ratio, self._guard_min_chunks)
-        await self._drive(fetch.run, progress, notify, guard)
-        return SyncReport(connector.connection_id, progress, await self._store.failures(connector.connection_id))
+        await self._drive(
+            lambda sink: fetch.run(sink, index_unfinished=index_walk.resumed), progress, notify, guard, indexed
+        )
+        await cursors.complete(connection_id, "index", progress.indexed)
+        return SyncReport(connection_id, progress, await self._store.failures(connection_id))
 
     async def replay(
         self, connection_id: str | None = None, on_progress: Callable[[SyncProgress], None] | None = None
@@ -160,6 +181,7 @@ class EmbeddedPipeline:
         progress: SyncProgress,
         notify: Callable[[SyncProgress], None],
         guard: EmbeddingGuard,
+        on_indexed: Callable[[DocumentChanged], Awaitable[None]] | None = None,
     ) -> _Counts:
         """Run ``announce`` into a bounded queue that the workers drain; deletions go last."""
         queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None] = asyncio.Queue(maxsize=self._workers * 4)
@@ -169,7 +191,7 @@ class EmbeddedPipeline:
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._workers):
-                    group.create_task(self._work(queue, progress, notify, guard))
+                    group.create_task(self._work(queue, progress, notify, guard, on_indexed))
                 counts = await announce(sink)
                 progress.listing_done = True
                 await queue.join()
@@ -189,6 +211,7 @@ class EmbeddedPipeline:
         progress: SyncProgress,
         notify: Callable[[SyncProgress], None],
         guard: EmbeddingGuard,
+        on_indexed: Callable[[DocumentChanged], Awaitable[None]] | None,
     ) -> None:
         while (message := await queue.get()) is not None:
             if isinstance(message, DocumentDeleted):
@@ -196,6 +219,8 @@ class EmbeddedPipeline:
                     progress.deleted += 1
             elif await self._index(message, progress, guard):
                 progress.indexed += 1
+                if on_indexed is not None:
+                    await on_indexed(message)
             else:
                 progress.failed_processing += 1
             notify(progress)

@@ -11,6 +11,8 @@ Each sync is also a row in ``sync_runs``, so the database refuses a second sync 
 any replica and ``ragstream status`` shows it. The run stays syncing after the announcements until
 the indexer has committed (or a stage has given up on) every announced change: its indexed, failed
 and chunk counts are the committed ones, and ready means searchable.
+The fetch keeps its ``download`` cursor in PostgreSQL, so a fetcher killed mid-walk resumes it on the
+next sync; the index side's cursors here are the consumer groups' committed offsets.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def create_app() -> FastAPI:
             failed=counts.failed + later.failed,
             chunks=later.chunks,
             listing_done=listing_done,
+            direction=counts.direction,
+            resumed=counts.resumed,
         )
 
     async def run_sync(connector: Connector, run: SyncRun) -> None:
@@ -152,6 +156,7 @@ def create_app() -> FastAPI:
             service = FetchService(
                 state["runtime"].store, connector, max_document_bytes=settings.max_document_bytes, on_item=observe
             )
+            await service.register()
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
             downstream = await settle(counts)

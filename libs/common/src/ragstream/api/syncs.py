@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
 from ragstream.control.runs import RagDisabled, RunStatus, SyncInProgress, SyncRun, SyncRunStore
+from ragstream.storage.cursors import Direction
 
 __all__ = ["ConnectionSyncStatus", "SyncRunView", "sync_router"]
 
@@ -30,6 +31,17 @@ class SyncRunView(BaseModel):
     failed: Annotated[int, Field(title="Documents that failed")]
     chunks: Annotated[int, Field(title="Chunks committed")]
     listing_done: Annotated[bool, Field(title="The listing is complete", description="Until then listed grows.")]
+    direction: Annotated[
+        Direction | None,
+        Field(
+            title="Which walk",
+            description="backward: the first, full sync; forward: an incremental one (only changed items"
+            " are downloaded). None until the walk has begun.",
+        ),
+    ] = None
+    resumed: Annotated[
+        bool, Field(title="Resumed an interrupted sync", description="Staged items were not downloaded again.")
+    ] = False
     rate: Annotated[float | None, Field(title="Documents per second")] = None
     eta_seconds: Annotated[float | None, Field(title="Seconds left at the current rate")] = None
     created_at: Annotated[datetime, Field(title="Queued at")]
@@ -53,6 +65,8 @@ class SyncRunView(BaseModel):
             failed=run.counts.failed,
             chunks=run.counts.chunks,
             listing_done=run.counts.listing_done,
+            direction=run.counts.direction,
+            resumed=run.counts.resumed,
             rate=run.rate,
             eta_seconds=run.eta_seconds,
             created_at=run.created_at,

@@ -2,6 +2,9 @@
 
 A sync compares the listing with what is committed: items whose cheap ``source_version`` or content
 hash is unchanged are skipped, and committed documents missing from a complete listing are deleted.
+The ``source_version`` is what makes a forward (incremental) sync cheap: a platform's modified time or
+revision, a file's mtime and size; only an item whose version moved is downloaded, and its SHA-256
+then decides whether it really changed.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class Connector(Protocol):
     def name(self) -> str: ...
 
     def list_items(self) -> AsyncIterator[SourceItem]:
-        """Every document at the origin, with version info that costs nothing to read."""
+        """Every document at the origin, with version info that costs nothing to read, in ascending
+        ``external_id`` order: an interrupted walk resumes after the last id it finished."""
         ...
 
     async def fetch(self, item: SourceItem) -> bytes:

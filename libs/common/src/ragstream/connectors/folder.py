@@ -44,7 +44,9 @@ class FolderConnector:
 
     def _walk(self, folder: Path) -> Iterator[SourceItem]:
         try:
-            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+            # A folder sorts as its name + "/", so the walk yields relative paths in ascending string
+            # order ("a-b.md" < "a.md" < "a/x.md"), the order a resumed walk's cursor relies on.
+            entries = sorted(os.scandir(folder), key=_sort_key)
         except OSError:
             return  # an unreadable or vanished folder lists as empty; its files count as deleted
         for entry in entries:
@@ -75,3 +77,10 @@ class FolderConnector:
             return await asyncio.to_thread((self.root / item.external_id).read_bytes)
         except FileNotFoundError as error:
             raise DocumentVanished(item.external_id) from error
+
+
+def _sort_key(entry: os.DirEntry[str]) -> str:
+    try:
+        return entry.name + "/" if entry.is_dir(follow_symlinks=False) else entry.name
+    except OSError:
+        return entry.name

@@ -44,6 +44,8 @@ def _counts(progress: SyncProgress) -> RunCounts:
         failed=progress.failed,
         chunks=progress.chunks,
         listing_done=progress.listing_done,
+        direction=progress.direction,
+        resumed=progress.resumed,
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import asyncpg
 
 from ragstream.connectors.registry import ConnectionRow
+from ragstream.storage.cursors import Direction
 
 __all__ = [
     "OWNER_GONE",
@@ -90,7 +91,8 @@ class SyncInProgress(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RunCounts:
-    """What a running sync has done so far, as written to its row."""
+    """What a running sync has done so far, as written to its row, and which walk it is: backward
+    (the first, full sync) or forward (incremental), and whether it resumed an interrupted one."""
 
     listed: int = 0
     unchanged: int = 0
@@ -100,6 +102,8 @@ class RunCounts:
     failed: int = 0
     chunks: int = 0
     listing_done: bool = False
+    direction: Direction | None = None
+    resumed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,7 @@ def _connection(row: asyncpg.Record, id_column: str = "id") -> ConnectionRow:
 
 _COUNTS_SQL = (
     "listed = $2, unchanged = $3, changed = $4, indexed = $5, deleted = $6, failed = $7, chunks = $8,"
-    " listing_done = $9, rate = $10, eta_seconds = $11"
+    " listing_done = $9, direction = $10, resumed = $11, rate = $12, eta_seconds = $13"
 )
 
 
@@ -329,7 +333,7 @@ class SyncRunStore:
         """Write the counters; the heartbeat moves only when ``moved`` (so a hung sync goes stale).
         False when the run is no longer syncing (failed as stale meanwhile)."""
         status = await self._pool.execute(
-            f"UPDATE sync_runs SET {_COUNTS_SQL}, heartbeat_at = CASE WHEN $12 THEN now() ELSE heartbeat_at END"
+            f"UPDATE sync_runs SET {_COUNTS_SQL}, heartbeat_at = CASE WHEN $14 THEN now() ELSE heartbeat_at END"
             " WHERE id = $1 AND status = 'syncing'",
             run_id,
             *_count_args(counts),
@@ -354,7 +358,7 @@ class SyncRunStore:
             raise ValueError(f"a run finishes ready or failed, not {status}")
         async with self._pool.acquire() as connection, connection.transaction():
             row = await connection.fetchrow(
-                f"UPDATE sync_runs SET {_COUNTS_SQL}, status = $12, reason = $13, finished_at = now()"
+                f"UPDATE sync_runs SET {_COUNTS_SQL}, status = $14, reason = $15, finished_at = now()"
                 " WHERE id = $1 AND status IN ('queued', 'syncing') RETURNING *",
                 run_id,
                 *_count_args(counts),

@@ -1,8 +1,10 @@
-"""Fetch stage: reconcile a connector's listing with the committed state and announce the differences."""
+"""Fetch stage (the downloader): reconcile a connector's listing with the committed state, stage what
+changed and announce it; resume an interrupted walk from its cursor and the staging store."""
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -11,6 +13,7 @@ from ragstream.connectors.base import Connector, DocumentVanished, SourceItem
 from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
+from ragstream.storage.cursors import Direction, SyncCursor
 from ragstream.storage.documents import CommittedDocument, DocumentStore, document_id
 
 __all__ = ["ChangeSink", "ConfiguredConnector", "FetchService", "SyncCounts"]
@@ -33,6 +36,12 @@ class ConfiguredConnector(Protocol):
     def config(self) -> Mapping[str, Any] | None: ...
 
 
+# A walk writes its cursor after every download (a download costs far more than the write) and
+# otherwise at most this often: a cursor that lags only makes a resumed walk examine a few items again
+# (and, for a listing without cheap versions, download them to compare hashes).
+_CURSOR_INTERVAL_S = 1.0
+
+
 @dataclass(slots=True)
 class SyncCounts:
     seen: int = 0
@@ -41,6 +50,12 @@ class SyncCounts:
     deleted: int = 0
     failed: int = 0
     acl_updated: int = 0
+    # Announced from the staging store: downloaded by an interrupted sync, never indexed.
+    restaged: int = 0
+    # Contents read from the source (changed or not): what the cheap versions and the cursor save.
+    downloaded: int = 0
+    direction: Direction | None = None
+    resumed: bool = False
     changed_ids: list[str] = field(default_factory=list)
 
 
@@ -50,6 +65,12 @@ class FetchService:
     Content is staged in PostgreSQL before its message is published, so a consumer never sees a
     reference to bytes that are not durable. Deletions are found by omission from the listing, which
     also heals lost messages: anything not committed is simply announced again on the next sync.
+
+    The walk keeps a ``download`` cursor (the last external id it finished). A sync that stopped
+    midway leaves it unfinished, and the next one resumes it: what the stopped walk staged but never
+    indexed is announced again from the staging store, and the other items up to the cursor are not
+    examined again. The whole listing is still walked: it is cheap, and deletions need all of it. A
+    failure or change behind the cursor meanwhile is found by the next walk, a forward one.
     """
 
     def __init__(
@@ -65,28 +86,74 @@ class FetchService:
         self._max_bytes = max_document_bytes
         self._on_item = on_item
 
-    async def run(self, sink: ChangeSink) -> SyncCounts:
+    async def register(self) -> None:
+        """Store the connection (and its config): call once before ``run``, whose cursors reference it."""
         connector = self._connector
         config = connector.config if isinstance(connector, ConfiguredConnector) else None
         await self._store.ensure_connection(connector.connection_id, connector.platform, connector.name, config)
-        committed = await self._store.committed(connector.connection_id)
-        counts = SyncCounts()
+
+    async def run(self, sink: ChangeSink, *, index_unfinished: bool = False) -> SyncCounts:
+        """One walk of the listing. ``index_unfinished``: the index side of the previous sync stopped
+        before it had indexed everything staged, so staged versions are announced again even if the
+        download walk itself had completed."""
+        connection_id = self._connector.connection_id
+        cursors = self._store.cursors
+        walk = await cursors.begin(connection_id, "download")
+        resuming = walk.resumed or index_unfinished
+        staged = await self._store.pending_staged(connection_id) if resuming else {}
+        committed = await self._store.committed(connection_id)
+        counts = SyncCounts(direction=walk.direction, resumed=resuming)
         listed: set[str] = set()
-        async for item in connector.list_items():
+        written = time.monotonic()
+        async for item in self._connector.list_items():
             counts.seen += 1
-            if await self._process(item, committed.get(item.external_id), sink, counts):
+            downloaded = counts.downloaded
+            if await self._walk_item(item, walk, staged.get(item.external_id), committed, sink, counts):
                 listed.add(item.external_id)
+            if counts.downloaded > downloaded or time.monotonic() - written >= _CURSOR_INTERVAL_S:
+                await cursors.advance(connection_id, "download", item.external_id, counts.seen)
+                written = time.monotonic()
             if self._on_item:
                 await self._on_item(counts)
-        for external_id, gone in committed.items():
+        # Staged but never indexed counts as known: a document deleted meanwhile gets its tombstone.
+        known = {external_id: _staged_as_known(header) for external_id, header in staged.items()} | committed
+        for external_id, gone in known.items():
             if external_id not in listed:
                 await self._announce_deleted(gone, sink)
                 counts.deleted += 1
         # A document that never indexed and is gone at the source has nothing to delete but its failure.
         await self._store.forget_failures_except(
-            connector.connection_id, [document_id(connector.connection_id, external_id) for external_id in listed]
+            connection_id, [document_id(connection_id, external_id) for external_id in listed]
         )
+        await cursors.complete(connection_id, "download", counts.seen)
         return counts
+
+    async def _walk_item(
+        self,
+        item: SourceItem,
+        walk: SyncCursor,
+        staged: DocumentHeader | None,
+        committed: dict[str, CommittedDocument],
+        sink: ChangeSink,
+        counts: SyncCounts,
+    ) -> bool:
+        """Where one listed item goes; False when it vanished and must be treated as deleted."""
+        if staged is not None:
+            if staged.source_version == item.source_version:
+                # Downloaded by the interrupted sync and not changed since: index it from staging.
+                header = self._header(item, staged.document_id, staged.version, staged.content_hash)
+                await sink.changed(DocumentChanged(header=header))
+                counts.changed += 1
+                counts.restaged += 1
+                counts.changed_ids.append(header.document_id)
+                return True
+            # Changed since it was staged: download it again, wherever the cursor stands.
+        elif walk.position is not None and item.external_id <= walk.position:
+            # Finished by the interrupted walk. Without a cheap version (source_version None) it would
+            # otherwise be downloaded again just to compare hashes.
+            counts.unchanged += 1
+            return True
+        return await self._process(item, committed.get(item.external_id), sink, counts)
 
     async def _process(
         self, item: SourceItem, known: CommittedDocument | None, sink: ChangeSink, counts: SyncCounts
@@ -116,14 +183,16 @@ class FetchService:
             await self._fail(item, header_id, "unreadable", f"cannot read: {error.strerror or error}")
             counts.failed += 1
             return True
+        counts.downloaded += 1
         content_hash = hashlib.sha256(content).hexdigest()
         if known and known.content_hash == content_hash:
             # Same bytes, new mtime (a touch, a checkout): remember it so the next sync skips the read.
             await self._store.remember_source_version(known.document_id, item.source_version)
             counts.unchanged += 1
             return True
-        version = await self._store.stage(header_id, content)
-        await sink.changed(DocumentChanged(header=self._header(item, header_id, version, content_hash)))
+        header = self._header(item, header_id, await self._store.next_version(), content_hash)
+        await self._store.stage(header, content)
+        await sink.changed(DocumentChanged(header=header))
         counts.changed += 1
         counts.changed_ids.append(header_id)
         return True
@@ -151,6 +220,7 @@ class FetchService:
         await record_failure(self._store, header, "fetch", StageFailure(code, message, retryable=False))
 
     async def _announce_deleted(self, gone: CommittedDocument, sink: ChangeSink) -> None:
+        """A tombstone with a fresh version, which outranks every version staged or committed before."""
         await sink.deleted(
             DocumentDeleted(
                 document_id=gone.document_id,
@@ -160,3 +230,9 @@ class FetchService:
                 version=await self._store.next_version(),
             )
         )
+
+
+def _staged_as_known(header: DocumentHeader) -> CommittedDocument:
+    return CommittedDocument(
+        header.document_id, header.external_id, header.source, header.content_hash, header.source_version, header.acl
+    )

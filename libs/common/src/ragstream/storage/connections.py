@@ -200,6 +200,9 @@ class ConnectionStore:
         await connection.execute("DELETE FROM document_failures WHERE connection_id = $1", connection_id)
         for table in ("staged_documents", "pending_batches"):
             await connection.execute(f"DELETE FROM {table} WHERE document_id = ANY($1::text[])", ids)
+        # Staged by a sync that never indexed it; and the cursors, so turning RAG on walks backward again.
+        await connection.execute("DELETE FROM staged_documents WHERE connection_id = $1", connection_id)
+        await connection.execute("DELETE FROM sync_cursors WHERE connection_id = $1", connection_id)
 
     async def delete(self, connection_id: str) -> bool:
         """Remove the connection and everything it indexed; False for an unknown id."""
@@ -211,7 +214,8 @@ class ConnectionStore:
             )
             for table in ("staged_documents", "pending_batches", "conversation_citations"):
                 await connection.execute(f"DELETE FROM {table} WHERE document_id = ANY($1::text[])", ids)
-            # Cascades: documents -> chunks -> embeddings_<n>, document_failures, sync_runs.
+            await connection.execute("DELETE FROM staged_documents WHERE connection_id = $1", connection_id)
+            # Cascades: documents -> chunks -> embeddings_<n>, document_failures, sync_runs, sync_cursors.
             deleted = await connection.fetchval("DELETE FROM connections WHERE id = $1 RETURNING id", connection_id)
         return deleted is not None
 

@@ -13,6 +13,7 @@ import asyncpg
 from ragstream.embedding.base import Vectors
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentDeleted, DocumentHeader, IndexOutcome
 from ragstream.segmentation import segment
+from ragstream.storage.cursors import SyncCursorStore
 from ragstream.storage.spaces import lock_space
 
 __all__ = ["CommittedDocument", "DocumentStore", "Failure", "chunk_id", "document_id"]
@@ -59,6 +60,8 @@ class DocumentStore:
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
+        # Where each stage's walk of a connection got to, so an interrupted sync resumes.
+        self.cursors = SyncCursorStore(pool)
 
     async def ensure_connection(
         self, connection_id: str, platform: str, name: str, config: Mapping[str, Any] | None = None
@@ -122,16 +125,31 @@ class DocumentStore:
     async def next_version(self) -> int:
         return int(await self._pool.fetchval("SELECT nextval('document_versions')"))
 
-    async def stage(self, document_id: str, content: bytes) -> int:
-        """Store raw content durably before announcing it; returns the version that references it."""
-        return int(
-            await self._pool.fetchval(
-                "INSERT INTO staged_documents (version, document_id, content) "
-                "VALUES (nextval('document_versions'), $1, $2) RETURNING version",
-                document_id,
-                content,
-            )
+    async def stage(self, header: DocumentHeader, content: bytes) -> None:
+        """Store raw content durably before announcing it, under the header's version (from
+        ``next_version``); the header stays with it so a resumed sync can announce it again."""
+        await self._pool.execute(
+            "INSERT INTO staged_documents (version, document_id, connection_id, header, content)"
+            " VALUES ($1, $2, $3, $4::jsonb, $5)",
+            header.version,
+            header.document_id,
+            header.connection_id,
+            header.model_dump_json(),
+            content,
         )
+
+    async def pending_staged(self, connection_id: str) -> dict[str, DocumentHeader]:
+        """The newest staged version of each document that nothing newer has superseded (no commit,
+        no tombstone), by external id: what an interrupted sync downloaded but never indexed."""
+        rows = await self._pool.fetch(
+            "SELECT DISTINCT ON (s.document_id) s.header::text AS header FROM staged_documents s"
+            " LEFT JOIN documents d ON d.id = s.document_id"
+            " WHERE s.connection_id = $1 AND s.header IS NOT NULL AND (d.version IS NULL OR d.version < s.version)"
+            " ORDER BY s.document_id, s.version DESC",
+            connection_id,
+        )
+        headers = [DocumentHeader.model_validate_json(row["header"]) for row in rows]
+        return {header.external_id: header for header in headers}
 
     async def load_staged(self, version: int) -> bytes | None:
         content = await self._pool.fetchval("SELECT content FROM staged_documents WHERE version = $1", version)
