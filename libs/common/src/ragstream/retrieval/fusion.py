@@ -49,8 +49,9 @@ def convex_fusion(
     keyword leg's best score, not min-max over the candidates: min-max stretches a leg whose
     candidates are all about equally (ir)relevant into a full 0..1 spread. ``similarity`` holds the
     cosine of keyword-only chunks (the vector leg's scores are in its hits); a chunk without one (no
-    vector yet) gets the vector leg's lowest, as no better than anything it returned. A vector-only
-    chunk ranked below the keyword leg's cut, so its keyword score counts as 0.
+    vector yet) gets the vector leg's lowest, as no better than anything it returned. A chunk only
+    the vector leg returned scored below the keyword leg's cut (or matched no term): its keyword
+    score counts as 0.
     """
     if not 0 <= alpha <= 1:
         raise ValueError("alpha is the keyword leg's share, between 0 and 1")
