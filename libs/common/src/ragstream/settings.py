@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     fusion_alpha: Annotated[
         float,
         Field(title="Keyword share of the convex fusion", description="0: vector only, 1: keyword only.", ge=0, le=1),
-    ] = 0.7
+    ] = 0.6
     rrf_k: Annotated[int, Field(title="RRF k", description="Higher flattens the rank differences.", ge=1)] = 60
     rrf_vector_weight: Annotated[float, Field(title="RRF weight of the vector leg", ge=0)] = 1.0
     rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 20.0

@@ -1,4 +1,4 @@
-"""retriever service: ``POST /v1/search`` (vector + keyword, RRF) and ``GET /v1/documents/{id}``, with
+"""retriever service: ``POST /v1/search`` (vector + keyword, fused) and ``GET /v1/documents/{id}``, with
 health, readiness and metrics."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class RetrievalSettings:
     leg_size: int = 30
     fusion: Fusion = "convex"
-    convex_alpha: float = 0.7
+    convex_alpha: float = 0.6
     rrf_k: int = RRF_K
     vector_weight: float = 1.0
     keyword_weight: float = 1.0
