@@ -17,7 +17,7 @@ from ragstream.stages.embed import EmbedService
 from ragstream.stages.fetch import ChangeSink, FetchService, SyncCounts
 from ragstream.stages.index import IndexService
 from ragstream.stages.replay import ReplayCounts, ReplayService
-from ragstream.storage.documents import DocumentStore, Failure
+from ragstream.storage.documents import DocumentStore, Failure, StaleChunkingError
 
 __all__ = ["EmbeddedPipeline", "SyncProgress", "SyncReport"]
 
@@ -191,7 +191,18 @@ class EmbeddedPipeline:
             guard.check()
 
     async def _index(self, message: DocumentChanged, progress: SyncProgress, guard: EmbeddingGuard) -> bool:
-        """Chunk, embed and commit one document; its chunks count as embedded or not for the guard."""
+        """Chunk, embed and commit one document; its chunks count as embedded or not for the guard.
+
+        Chunked just before a re-chunk switch and committed just after, a document is refused
+        (``StaleChunkingError``): it is chunked again at once with the config now active."""
+        try:
+            return await self._index_once(message, progress, guard)
+        except StaleChunkingError:
+            return await self._index_once(message, progress, guard, last_try=True)
+
+    async def _index_once(
+        self, message: DocumentChanged, progress: SyncProgress, guard: EmbeddingGuard, *, last_try: bool = False
+    ) -> bool:
         step = "chunk"
         chunk_count = 0
         try:
@@ -207,6 +218,8 @@ class EmbeddedPipeline:
             guard.record(embedded=chunk_count)
             return True
         except Exception as error:  # one document's failure must not stop the sync; it is recorded
+            if isinstance(error, StaleChunkingError) and not last_try:
+                raise
             if step == "embed":
                 guard.record(failed=chunk_count)
             await record_failure(self._store, message.header, step, classify(error))
