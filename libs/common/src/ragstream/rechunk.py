@@ -138,7 +138,7 @@ class Rechunker:
             index_version = await self._store.prepare(connection_id, stored)
             progress = RechunkProgress(connection_id, index_version)
             await self._recount(progress)
-            run_id = await self._store.start_run(connection_id, index_version, stored)
+            run_id = await self._store.start_run(connection_id, index_version, stored, progress.counts())
             if on_start is not None:
                 on_start()
             writer = asyncio.create_task(self._write_progress(run_id, progress))
@@ -147,7 +147,8 @@ class Rechunker:
                 await self._backfill(chunker, progress, notify)
                 if progress.documents_failed:
                     raise RuntimeError(
-                        f"{progress.documents_failed} documents could not be re-chunked: {progress.error}"
+                        f"{progress.documents_failed} of {progress.documents_total} documents could not be"
+                        f" re-chunked; first {progress.error}"
                     )
                 space = await self._spaces.current()
                 rebuilt = await self._store.switch(
@@ -189,7 +190,7 @@ class Rechunker:
         rerun retries those documents only)."""
         while True:
             after, found = "", 0
-            progress.documents_failed = 0
+            progress.documents_failed, progress.error = 0, None
             while documents := await self._store.pending(
                 progress.connection_id, progress.index_version, after, self._batch
             ):
@@ -200,7 +201,7 @@ class Rechunker:
                         rebuilt = await self._rebuild(chunker, document)
                     except Exception as error:  # one document's failure must not stop the others
                         progress.documents_failed += 1
-                        progress.error = f"{document.title}: {error}"
+                        progress.error = progress.error or f"{document.source}: {error}"
                         continue
                     if await self._store.store(document, progress.index_version, rebuilt):
                         progress.rebuilt_here += 1

@@ -52,6 +52,7 @@ class RechunkDocument:
     document_id: str
     version: int
     title: str
+    source: str
     media_type: str
     acl: list[str] | None
 
@@ -96,7 +97,7 @@ def _run(row: asyncpg.Record) -> RechunkRun:
 # a pass reads each once, however many are edited behind it). The ACL is the document's, which
 # every chunk of the active version carries.
 _PENDING = (
-    "SELECT d.id, d.version, d.title, d.media_type,"
+    "SELECT d.id, d.version, d.title, d.source, d.media_type,"
     " (SELECT c.acl FROM chunks c WHERE c.document_id = d.id ORDER BY c.index_version, c.ordinal LIMIT 1) AS acl"
     " FROM documents d WHERE d.connection_id = $1 AND d.status = 'indexed' AND d.id > $3"
     " AND NOT EXISTS (SELECT 1 FROM chunks c WHERE c.document_id = d.id AND c.index_version = $2)"
@@ -182,7 +183,10 @@ class RechunkStore:
         connection: asyncpg.Connection | asyncpg.Pool, connection_id: str, index_version: int, after: str, limit: int
     ) -> list[RechunkDocument]:
         rows = await connection.fetch(_PENDING, connection_id, index_version, after, limit)
-        return [RechunkDocument(row["id"], row["version"], row["title"], row["media_type"], row["acl"]) for row in rows]
+        return [
+            RechunkDocument(row["id"], row["version"], row["title"], row["source"], row["media_type"], row["acl"])
+            for row in rows
+        ]
 
     async def pending(self, connection_id: str, index_version: int, after: str, limit: int) -> list[RechunkDocument]:
         """Indexed documents without chunks of ``index_version``, by id after ``after``."""
@@ -282,14 +286,23 @@ class RechunkStore:
             )
         return rebuilt
 
-    async def start_run(self, connection_id: str, index_version: int, chunking: dict[str, Any]) -> int:
+    async def start_run(
+        self, connection_id: str, index_version: int, chunking: dict[str, Any], counts: Sequence[int]
+    ) -> int:
+        """``counts`` as for ``write_progress``: a resumed run starts with what the last one did."""
+        total, done, failed, chunks = counts
         return int(
             await self._pool.fetchval(
-                "INSERT INTO rechunk_runs (connection_id, index_version, chunking, status)"
-                " VALUES ($1, $2, $3::jsonb, 'running') RETURNING id",
+                "INSERT INTO rechunk_runs (connection_id, index_version, chunking, status, documents_total,"
+                " documents_done, documents_failed, chunks) VALUES ($1, $2, $3::jsonb, 'running', $4, $5, $6, $7)"
+                " RETURNING id",
                 connection_id,
                 index_version,
                 json.dumps(chunking),
+                total,
+                done,
+                failed,
+                chunks,
             )
         )
 
