@@ -19,12 +19,14 @@ from ragstream.api.rechunk import rechunk_router
 from ragstream.chunking import ChunkingConfig, MarkdownChunking, RecursiveChunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.credentials import CredentialCipher
-from ragstream.messages import ChunkPayload, DocumentHeader
+from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, DocumentIndexed
+from ragstream.pipeline import EmbeddedPipeline
 from ragstream.rechunk import Rechunker, RechunkProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.retrieval.models import SearchFilters
 from ragstream.runtime import Runtime
 from ragstream.settings import Settings
+from ragstream.stages.index import IndexService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents import StaleChunkingError, document_id
 from ragstream.storage.rechunk import RebuiltChunks, RechunkDocument, RechunkStore
@@ -260,6 +262,39 @@ async def test_documents_edited_during_a_rechunk_are_right_after_the_switch(
     chunk = ChunkPayload(ordinal=0, heading="", text="late")
     with pytest.raises(StaleChunkingError):
         await runtime.store.commit_document(header, [chunk], vectors, runtime.embedder.model_key, 0)
+
+
+class SwitchingIndexer(IndexService):
+    """The real index stage, which lets a whole re-chunk run and switch before its first commit: the
+    document was chunked with the old config and commits after the switch."""
+
+    def __init__(self, runtime: Runtime, connection_id: str) -> None:
+        super().__init__(runtime.store)
+        self._rechunk: Rechunker | None = rechunker(runtime, RechunkStore(runtime.pool))
+        self._connection_id = connection_id
+        self.results: list[RechunkProgress] = []
+
+    async def run(self, message: ChunksEmbedded) -> DocumentIndexed | None:
+        if self._rechunk is not None:
+            rechunk, self._rechunk = self._rechunk, None
+            self.results.append(await rechunk.run(self._connection_id, NEW))
+        return await super().run(message)
+
+
+async def test_a_document_chunked_before_the_switch_and_committed_after_is_chunked_again(
+    runtime: Runtime, corpus_connection: tuple[Path, str]
+) -> None:
+    folder, connection = corpus_connection
+    indexer = SwitchingIndexer(runtime, connection)
+    pipeline = EmbeddedPipeline(
+        runtime.store, runtime.chunker, runtime.embed, indexer, max_document_bytes=runtime.settings.max_document_bytes
+    )
+    write(folder, {"late.md": document("late", "Pangolin scales arrive while the re-chunk switches.")})
+    report = await pipeline.sync(FolderConnector(folder))
+    assert report.ok, report.failures
+    assert report.progress.indexed == 1 and [result.status for result in indexer.results] == ["switched"]
+    files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
 
 
 async def test_a_cancelled_rechunk_keeps_the_old_chunks_and_resumes(
