@@ -18,12 +18,14 @@ from rich.table import Table
 
 from ragstream.api.syncs import status_label
 from ragstream.chunking import parse_chunking
+from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import RunOutcome, SyncRunner
 from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgress, SyncRunStore
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.pipeline import SyncProgress, SyncReport
+from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_runtime, resolve_database
@@ -290,6 +292,54 @@ def reindex(
             console.print(f"search now uses [bold]{result.target_key}[/]; {result.source_key} was dropped")
         else:
             console.print(f"[red]re-index failed, still searching {result.source_key}: {result.error}[/]")
+        return result.status == "switched"
+
+    raise typer.Exit(0 if _run(run) else 1)
+
+
+@app.command()
+def rechunk(
+    connection: Annotated[str, typer.Argument(help="Connection id, or the folder of a folder connection")],
+    chunker: Annotated[
+        Literal["markdown", "token", "recursive", "semantic"],
+        typer.Option("--chunker", help="The new chunking algorithm"),
+    ],
+    chunk_size: Annotated[int | None, typer.Option("--chunk-size", help="Max chunk size (as for ingest)")] = None,
+    chunk_overlap: Annotated[int | None, typer.Option("--chunk-overlap", help="Overlap (as for ingest)")] = None,
+    semantic_threshold: Annotated[
+        Literal["percentile", "std", "iqr", "gradient"] | None,
+        typer.Option("--semantic-threshold", help="Where the semantic chunker breaks"),
+    ] = None,
+    semantic_amount: Annotated[float | None, typer.Option("--semantic-amount", help="Threshold amount")] = None,
+) -> None:
+    """Re-chunk a connection's indexed documents with a new chunking config while search goes on with the
+    current chunks, then switch to them. Interrupted, it resumes where it stopped when run again with
+    the same options. Exit 1 if it failed."""
+    config = _chunking_config(chunker, chunk_size, chunk_overlap, semantic_threshold, semantic_amount)
+    assert config is not None
+    chunking = parse_chunking(config["chunking"])
+    folder = Path(connection)
+    connection_id = FolderConnector(folder).connection_id if folder.is_dir() else connection
+
+    async def run(runtime: Runtime) -> bool:
+        with _progress_bar("docs") as bar:
+            task = bar.add_task(f"re-chunk {connection_id}", total=None, rate=0.0)
+
+            def show(progress: RechunkProgress) -> None:
+                bar.update(task, total=progress.documents_total, completed=progress.documents_done, rate=progress.rate)
+
+            try:
+                result = await runtime.rechunker().run(connection_id, chunking, show)
+            except (RechunkBusy, UnknownConnection) as error:
+                console.print(f"[red]cannot re-chunk {connection_id}: {error}[/]", highlight=False)
+                return False
+        if result.status == "switched":
+            console.print(
+                f"{connection_id}: search now uses index version {result.index_version}"
+                f" ({result.chunks} chunks of {result.documents_done} documents)"
+            )
+        else:
+            console.print(f"[red]re-chunk failed, still searching the previous chunks: {result.error}[/]")
         return result.status == "switched"
 
     raise typer.Exit(0 if _run(run) else 1)

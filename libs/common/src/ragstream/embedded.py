@@ -12,6 +12,7 @@ from fastapi import HTTPException
 
 from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
+from ragstream.api.rechunk import rechunk_router
 from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.syncs import sync_router
@@ -25,6 +26,7 @@ from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["serve"]
@@ -75,13 +77,20 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings))
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     reindexer = runtime.reindexer()
+    rechunker = runtime.rechunker()
     app = create_app(
         lambda: runtime.retriever,
         ready=ready,
         sync_progress=lambda: runner.live,
         reader=lambda: reader,
         routers=[
-            connections_router(connections, on_created=first_sync("create"), on_rag_enabled=first_sync("api")),
+            connections_router(
+                connections,
+                on_created=first_sync("create"),
+                on_rag_enabled=first_sync("api"),
+                on_chunking_changed=rechunker.start,
+            ),
+            rechunk_router(rechunker, RechunkStore(runtime.pool)),
             sync_router(lambda: runs, runner.wake),
             replay_router(replay),
             reindex_router(reindexer, SpaceStore(runtime.pool)),
@@ -104,3 +113,4 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
         await asyncio.gather(*background, return_exceptions=True)
         await runs.aclose()
         await reindexer.aclose()
+        await rechunker.aclose()

@@ -119,6 +119,14 @@ class DocumentChunked(_Message):
     batch_count: Annotated[int, Field(title="Number of batches", ge=1)]
     chunk_count: Annotated[int, Field(title="Chunks in the whole document", ge=1)]
     chunks: Annotated[list[ChunkPayload], Field(title="Chunks of this batch")]
+    index_version: Annotated[
+        int,
+        Field(
+            title="Index version",
+            description="The connection's index version whose chunking config made these chunks.",
+            ge=0,
+        ),
+    ] = 0
 
 
 class ChunksEmbedded(_Message):
@@ -132,6 +140,14 @@ class ChunksEmbedded(_Message):
     model_key: Annotated[str, Field(title="Embedding space", description="Model and dimension.")]
     dimension: Annotated[int, Field(title="Vector dimension", ge=1)]
     vectors: Annotated[bytes, Field(title="Packed vectors", description="little-endian float32, row-major")]
+    index_version: Annotated[
+        int,
+        Field(
+            title="Index version",
+            description="The connection's index version whose chunking config made these chunks.",
+            ge=0,
+        ),
+    ] = 0
 
     def vector_array(self) -> Vectors:
         return unpack_vectors(self.vectors, self.dimension)

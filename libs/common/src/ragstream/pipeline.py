@@ -18,7 +18,7 @@ from ragstream.stages.fetch import ChangeSink, FetchService, SyncCounts
 from ragstream.stages.index import IndexService
 from ragstream.stages.replay import ReplayCounts, ReplayService
 from ragstream.storage.cursors import Direction
-from ragstream.storage.documents import DocumentStore, Failure
+from ragstream.storage.documents import DocumentStore, Failure, StaleChunkingError
 
 __all__ = ["EmbeddedPipeline", "SyncProgress", "SyncReport"]
 
@@ -229,7 +229,18 @@ class EmbeddedPipeline:
 
     async def _index(self, message: DocumentChanged, progress: SyncProgress, guard: EmbeddingGuard) -> bool:
         """Chunk, embed and commit one document, retrying it whole on a transient failure; its chunks
-        count as embedded or not for the guard once it has indexed or run out of attempts."""
+        count as embedded or not for the guard once it has indexed or run out of attempts.
+
+        Chunked just before a re-chunk switch and committed just after, a document is refused
+        (``StaleChunkingError``): it is chunked again at once with the config now active."""
+        try:
+            return await self._index_once(message, progress, guard)
+        except StaleChunkingError:
+            return await self._index_once(message, progress, guard, last_try=True)
+
+    async def _index_once(
+        self, message: DocumentChanged, progress: SyncProgress, guard: EmbeddingGuard, *, last_try: bool = False
+    ) -> bool:
         attempt = _Attempt()
 
         async def run() -> None:
@@ -252,6 +263,8 @@ class EmbeddedPipeline:
             guard.record(embedded=attempt.chunk_count)
             return True
         except Exception as error:  # one document's failure must not stop the sync; it is recorded
+            if isinstance(error, StaleChunkingError) and not last_try:
+                raise
             if attempt.step == "embed":
                 guard.record(failed=attempt.chunk_count)
             await record_failure(self._store, message.header, attempt.step, classify(error))

@@ -15,6 +15,7 @@ from ragstream.embedding.spaces import ActiveSpace
 from ragstream.failures import StageRetry
 from ragstream.parsing import Parser
 from ragstream.pipeline import EmbeddedPipeline
+from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
@@ -27,6 +28,7 @@ from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
+from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import SpaceStore
 
@@ -68,6 +70,9 @@ class Runtime:
 
     def reindexer(self) -> Reindexer:
         return Reindexer(SpaceStore(self.pool), self.spaces)
+
+    def rechunker(self) -> Rechunker:
+        return Rechunker(RechunkStore(self.pool), self.chunker, self.spaces)
 
 
 @asynccontextmanager

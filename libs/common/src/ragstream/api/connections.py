@@ -11,11 +11,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Response
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
 
-from ragstream.chunking import ChunkingConfig
+from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
+from ragstream.rechunk import RechunkBusy
 from ragstream.storage.connections import Connection, ConnectionStore
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "ConnectionPatch",
     "ConnectionView",
     "EmbeddingChoice",
+    "RechunkHook",
     "connections_router",
 ]
 
@@ -37,6 +39,9 @@ Credentials = dict[CredentialName, SecretStr]
 
 ConnectionHook = Callable[[str], Awaitable[None]]
 """Called with a connection id after the change is committed, e.g. to start a sync."""
+
+RechunkHook = Callable[[str, ChunkingConfig], Awaitable[None]]
+"""Starts rebuilding a connection's chunks with a new chunking config (``Rechunker.start``)."""
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No connection with this id"}}
 
@@ -62,7 +67,12 @@ class ConnectionConfig(BaseModel):
     ] = None
     chunking: Annotated[
         ChunkingConfig | None,
-        Field(title="Chunking", description="Applies to documents chunked from now on; unset: the server's."),
+        Field(
+            title="Chunking",
+            description="Unset: the server's. Changing it re-chunks the indexed documents in the background "
+            "(progress: GET /v1/connections/{id}/rechunk) while search uses the current chunks; the new "
+            "value shows here once switched in.",
+        ),
     ] = None
     embedding: Annotated[EmbeddingChoice | None, Field(title="Embedding model")] = None
 
@@ -180,11 +190,17 @@ def connections_router(
     *,
     on_created: ConnectionHook | None = None,
     on_rag_enabled: ConnectionHook | None = None,
+    on_chunking_changed: RechunkHook | None = None,
     tracer: trace.Tracer | None = None,
 ) -> APIRouter:
     """The routes. ``on_created`` runs after a connection with RAG on is created, ``on_rag_enabled`` after
     an update turns RAG on again: both are where the caller starts the full sync. A failing hook is
-    logged and does not undo the change, which is committed and reported as done."""
+    logged and does not undo the change, which is committed and reported as done.
+
+    With ``on_chunking_changed``, an update that changes the chunking config does not store it: the
+    hook starts a re-chunk, which stores it when it switches the rebuilt chunks in (before the rest of
+    the update, so that a re-chunk already running answers 409 and changes nothing). Without it, a
+    new config applies to documents chunked from then on."""
     router = APIRouter(prefix="/v1/connections", tags=["connections"])
     spans = tracer or trace.get_tracer(__name__)
 
@@ -195,6 +211,12 @@ def connections_router(
             await hook(connection_id)
         except Exception:
             logger.exception("connection %s: starting its sync failed", connection_id)
+
+    def stored_chunking(connection: Connection) -> ChunkingConfig | None:
+        try:
+            return parse_chunking(connection.config["chunking"]) if "chunking" in connection.config else None
+        except ValidationError:  # unreadable: any valid config given is a change
+            return None
 
     def not_found(connection_id: str) -> HTTPException:
         return HTTPException(status_code=404, detail=f"connection {connection_id!r} not found")
@@ -249,11 +271,24 @@ def connections_router(
         with spans.start_as_current_span("connections.update") as span:
             span.set_attribute("connection.id", connection_id)
             span.set_attribute("connection.fields", sorted(body.model_fields_set))
+            config = body.config.stored() if body.config is not None else None
+            chunking = body.config.chunking if body.config is not None else None
+            if config is not None and chunking is not None and on_chunking_changed is not None:
+                current = await store.get(connection_id)
+                if current is None:
+                    raise not_found(connection_id)
+                config.pop("chunking")
+                if stored_chunking(current) != chunking:
+                    try:
+                        await on_chunking_changed(connection_id, chunking)
+                    except RechunkBusy as error:
+                        raise HTTPException(status_code=409, detail=str(error)) from None
+                    logger.info("connection %s: re-chunking started", connection_id)
             try:
                 switch = await store.update(
                     connection_id,
                     name=body.name,
-                    config=body.config.stored() if body.config is not None else None,
+                    config=config or None,
                     credentials=body.credentials,
                     rag_enabled=body.rag_enabled,
                     schedule_seconds=body.schedule_seconds,

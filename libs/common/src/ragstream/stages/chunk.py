@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from ragstream.chunking import Chunker, ChunkingConfig, create_chunker, parse_chunking
 from ragstream.embedding.base import Embedder
-from ragstream.messages import DocumentChanged, DocumentChunked
+from ragstream.messages import ChunkPayload, DocumentChanged, DocumentChunked
 from ragstream.parsing import ParseError, ParseErrorCode, Parser
 from ragstream.storage.documents import DocumentStore
 
@@ -21,7 +21,9 @@ class ChunkService:
     The chunker comes from the connection's stored config (``connections.config["chunking"]``) and
     falls back to ``default`` (from settings). It is read for each document, so a changed choice
     applies to documents chunked from then on; documents already indexed keep their chunks until
-    they change. One chunker is built and warmed up per distinct config and kept.
+    they change or a re-chunk run rebuilds them. Batches carry the connection's index version read
+    with the config, so the indexer can refuse chunks of a config a re-chunk switch has replaced.
+    One chunker is built and warmed up per distinct config and kept.
 
     Returns no batches when this version is already committed or superseded (a redelivery, or a
     replay that a newer change overtook): the work would be thrown away by the indexer anyway. Raises ``ParseError``
@@ -39,12 +41,17 @@ class ChunkService:
         self._chunkers: dict[ChunkingConfig, Chunker] = {}
         self._building = asyncio.Lock()
 
-    async def chunker_for(self, connection_id: str) -> Chunker:
-        stored = (await self._store.connection_config(connection_id)).get("chunking")
+    async def chunker_for(self, connection_id: str) -> tuple[Chunker, int]:
+        """The connection's chunker and the index version its chunks belong to."""
+        stored, index_version = await self._store.chunking_of(connection_id)
         try:
             config = self._default if stored is None else parse_chunking(stored)
         except ValidationError as error:
             raise ValueError(f"connection {connection_id} has an invalid chunking config: {error}") from error
+        return await self.chunker(config), index_version
+
+    async def chunker(self, config: ChunkingConfig) -> Chunker:
+        """The warmed-up chunker of ``config``, built once per distinct config."""
         if (chunker := self._chunkers.get(config)) is None:
             async with self._building:  # two workers seeing a new config warm it up once
                 if (chunker := self._chunkers.get(config)) is None:
@@ -53,6 +60,16 @@ class ChunkService:
                     self._chunkers[config] = chunker
         return chunker
 
+    async def chunk(
+        self, content: bytes, media_type: str, title: str, chunker: Chunker
+    ) -> tuple[str, list[ChunkPayload]]:
+        """Parse and chunk one document's content: its parsed title and its chunks (never none)."""
+        parsed = self._parser.run(content, media_type, title)
+        chunks = await chunker.run_async(parsed)
+        if not chunks:
+            raise ParseError(ParseErrorCode.EMPTY, "the document has no text to index")
+        return parsed.title, chunks
+
     async def run(self, message: DocumentChanged) -> list[DocumentChunked]:
         header = message.header
         if await self._store.is_superseded(header.document_id, header.version):
@@ -60,17 +77,19 @@ class ChunkService:
         content = await self._store.load_staged(header.version)
         if content is None:
             return []
-        parsed = self._parser.run(content, header.media_type, header.title)
-        chunker = await self.chunker_for(header.connection_id)
-        chunks = await chunker.run_async(parsed)
-        if not chunks:
-            raise ParseError(ParseErrorCode.EMPTY, "the document has no text to index")
-        header = header.model_copy(update={"title": parsed.title})
+        chunker, index_version = await self.chunker_for(header.connection_id)
+        title, chunks = await self.chunk(content, header.media_type, header.title, chunker)
+        header = header.model_copy(update={"title": title})
         size = self._batch_chunks
         batches = [chunks[start : start + size] for start in range(0, len(chunks), size)]
         return [
             DocumentChunked(
-                header=header, batch_index=index, batch_count=len(batches), chunk_count=len(chunks), chunks=batch
+                header=header,
+                batch_index=index,
+                batch_count=len(batches),
+                chunk_count=len(chunks),
+                chunks=batch,
+                index_version=index_version,
             )
             for index, batch in enumerate(batches)
         ]

@@ -37,6 +37,7 @@ class EmbedService:
             batch_count=message.batch_count,
             chunk_count=message.chunk_count,
             chunks=message.chunks,
+            index_version=message.index_version,
             model_key=embedder.model_key,
             dimension=embedder.dimension,
             vectors=pack_vectors(vectors),

@@ -33,7 +33,7 @@ class IndexService:
             raise MixedEmbeddingModelsError(f"batches of {header.document_id} come from {sorted(models)}")
         chunks = [chunk for batch in batches for chunk in batch.chunks]
         vectors = np.vstack([batch.vector_array() for batch in batches])
-        outcome = await self._store.commit_document(header, chunks, vectors, message.model_key)
+        outcome = await self._store.commit_document(header, chunks, vectors, message.model_key, message.index_version)
         return DocumentIndexed(
             document_id=header.document_id,
             connection_id=header.connection_id,

@@ -16,7 +16,15 @@ from ragstream.segmentation import segment
 from ragstream.storage.cursors import SyncCursorStore
 from ragstream.storage.spaces import lock_space
 
-__all__ = ["CommittedDocument", "DocumentStore", "Failure", "chunk_id", "document_id"]
+__all__ = [
+    "CommittedDocument",
+    "DocumentStore",
+    "Failure",
+    "StaleChunkingError",
+    "chunk_id",
+    "document_id",
+    "write_chunks",
+]
 
 
 def document_id(connection_id: str, external_id: str) -> str:
@@ -24,8 +32,59 @@ def document_id(connection_id: str, external_id: str) -> str:
     return hashlib.sha256(f"{connection_id}\0{external_id}".encode()).hexdigest()[:32]
 
 
-def chunk_id(document_id: str, version: int, ordinal: int) -> str:
-    return hashlib.sha256(f"{document_id}\0{version}\0{ordinal}".encode()).hexdigest()[:32]
+def chunk_id(document_id: str, version: int, ordinal: int, index_version: int = 0) -> str:
+    """Index version 0 keeps the ids chunks had before index versions existed (migration 0010)."""
+    key = f"{document_id}\0{version}\0{ordinal}" + (f"\0{index_version}" if index_version else "")
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class StaleChunkingError(Exception):
+    """Chunks made with the chunker of an index version a re-chunk has replaced (chunked before the
+    switch, committed after it): the document must be chunked again with the connection's current
+    config. Retryable: the embedded pipeline does it at once, a replay or the next sync otherwise."""
+
+    def __init__(self, document_id: str, chunked_for: int, active: int) -> None:
+        super().__init__(
+            f"document {document_id} was chunked for index version {chunked_for}, the connection's is now"
+            f" {active}; chunk it again"
+        )
+        self.document_id = document_id
+
+
+async def write_chunks(
+    connection: asyncpg.Connection,
+    document_id: str,
+    title: str,
+    chunks: Sequence[ChunkPayload],
+    ids: Sequence[str],
+    acl: Sequence[str] | None,
+    index_version: int,
+    table: str,
+    vectors: Vectors,
+) -> None:
+    """Insert a document's chunks of one index version with their keyword fields and vectors; the
+    caller's transaction holds the embedding space (``lock_space``) and the document's lock."""
+    await connection.execute(
+        "INSERT INTO chunks (id, document_id, ordinal, heading, text, search_vector, lexeme_count, acl, index_version)"
+        " SELECT id, $1, ordinal, heading, text, sv,"
+        " (SELECT coalesce(sum(cardinality(lexeme.positions)), 0) FROM unnest(sv) AS lexeme), $8::text[], $9"
+        " FROM (SELECT id, ordinal, heading, text,"
+        "  setweight(to_tsvector('english', head), 'A') || to_tsvector('english', body) AS sv"
+        "  FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[])"
+        "  AS t(id, ordinal, heading, text, head, body)) AS prepared",
+        document_id,
+        list(ids),
+        [chunk.ordinal for chunk in chunks],
+        [chunk.heading for chunk in chunks],
+        [chunk.text for chunk in chunks],
+        [segment(f"{title} {chunk.heading}") for chunk in chunks],
+        [segment(chunk.text) for chunk in chunks],
+        list(acl) if acl is not None else None,
+        index_version,
+    )
+    await connection.copy_records_to_table(
+        table, records=list(zip(ids, list(vectors), strict=True)), columns=["chunk_id", "embedding"]
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +128,8 @@ class DocumentStore:
         """Register the connection. ``config`` replaces the top-level keys it names in the stored config
         (``{"chunking": {...}}``); without it the stored config is kept, so a later sync without options
         goes on with what an earlier one chose. A new config applies to documents chunked from now
-        on: unchanged documents keep their chunks until they change (re-indexing is not triggered)."""
+        on: unchanged documents keep their chunks until they change (this does not re-chunk them; a
+        re-chunk run does, ``ragstream.rechunk``)."""
         if config is None:
             await self._pool.execute(
                 "INSERT INTO connections (id, platform, name) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING",
@@ -95,6 +155,17 @@ class DocumentStore:
         raw = await self._pool.fetchval("SELECT config FROM connections WHERE id = $1", connection_id)
         config = json.loads(raw) if isinstance(raw, str) else raw
         return dict(config) if isinstance(config, dict) else {}
+
+    async def chunking_of(self, connection_id: str) -> tuple[Any, int]:
+        """The connection's stored chunking config (``None``: the server's) and its active index
+        version, read together: a re-chunk switch changes both in one transaction."""
+        row = await self._pool.fetchrow(
+            "SELECT config -> 'chunking' AS chunking, index_version FROM connections WHERE id = $1", connection_id
+        )
+        if row is None:
+            return None, 0
+        chunking = json.loads(row["chunking"]) if isinstance(row["chunking"], str) else row["chunking"]
+        return chunking, int(row["index_version"])
 
     async def committed(self, connection_id: str) -> dict[str, CommittedDocument]:
         """Indexed documents of a connection by external id: what a sync compares its listing with."""
@@ -159,7 +230,9 @@ class DocumentStore:
         """Park one batch of a multi-batch document; return all batches once the last has arrived.
 
         A batch arriving again replaces the parked one: a replay after a re-index switched models
-        mid-document re-embeds every batch with the new model, and none of the old may stay.
+        mid-document re-embeds every batch with the new model, and none of the old may stay. Only
+        batches of the arriving one's index version count, so a document chunked again after a
+        re-chunk switch never completes with batches of the old chunking.
         A batch of a version already committed or superseded is not parked: it is a redelivery after
         the commit (Kafka delivers at least once) or a straggler of an older version, and it could
         never complete, so it would stay in ``pending_batches`` for good.
@@ -188,21 +261,45 @@ class DocumentStore:
             )
         if len(rows) < message.batch_count:
             return None
-        return [ChunksEmbedded.model_validate_json(row["payload"]) for row in rows]
+        batches = [ChunksEmbedded.model_validate_json(row["payload"]) for row in rows]
+        # Batches parked by an earlier chunking of this version, for an index version a re-chunk has
+        # since replaced: the new chunking's batches replace them as they arrive, and do not mix.
+        batches = [
+            batch
+            for batch in batches
+            if batch.index_version == message.index_version and batch.batch_count == message.batch_count
+        ]
+        return batches if len(batches) == message.batch_count else None
 
     async def commit_document(
-        self, header: DocumentHeader, chunks: Sequence[ChunkPayload], vectors: Vectors, model_key: str
+        self,
+        header: DocumentHeader,
+        chunks: Sequence[ChunkPayload],
+        vectors: Vectors,
+        model_key: str,
+        index_version: int = 0,
     ) -> IndexOutcome:
         """Upsert the document, replace its chunks and vectors, all in one transaction.
 
         Nothing changes when the committed version is already as new: redelivered or reordered
         messages are harmless, and the previous version stays searchable until this one commits.
-        Vectors of a model a re-index has retired raise ``RetiredSpaceError`` (retryable).
+        Vectors of a model a re-index has retired raise ``RetiredSpaceError`` (retryable); chunks made
+        for an index version that is not the connection's active one raise ``StaleChunkingError``.
         """
-        ids = [chunk_id(header.document_id, header.version, chunk.ordinal) for chunk in chunks]
+        ids = [chunk_id(header.document_id, header.version, chunk.ordinal, index_version) for chunk in chunks]
         async with self._pool.acquire() as connection, connection.transaction():
             # First, so that a re-index switch waits for this commit or this commit for the switch.
             table = await lock_space(connection, model_key, int(vectors.shape[1]))
+            # KEY SHARE, as the foreign key takes anyway: a re-chunk switch (FOR UPDATE on this row)
+            # waits for this commit, or this commit reads the index version the switch made active.
+            active = await connection.fetchval(
+                "SELECT index_version FROM connections WHERE id = $1 FOR KEY SHARE", header.connection_id
+            )
+            if active is not None and active != index_version:
+                committed = await connection.fetchval("SELECT version FROM documents WHERE id = $1", header.document_id)
+                if committed is not None and committed >= header.version:
+                    return IndexOutcome.STALE
+                raise StaleChunkingError(header.document_id, index_version, active)
             # So a batch is never parked for a version this transaction is about to supersede.
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", header.document_id)
             updated = await connection.fetchval(
@@ -235,26 +332,10 @@ class DocumentStore:
             )
             if updated is None:
                 return IndexOutcome.STALE
+            # Every index version: a re-chunk run rebuilds this document again from the new content.
             await connection.execute("DELETE FROM chunks WHERE document_id = $1", header.document_id)
-            await connection.execute(
-                "INSERT INTO chunks (id, document_id, ordinal, heading, text, search_vector, lexeme_count, acl)"
-                " SELECT id, $1, ordinal, heading, text, sv,"
-                " (SELECT coalesce(sum(cardinality(lexeme.positions)), 0) FROM unnest(sv) AS lexeme), $8::text[]"
-                " FROM (SELECT id, ordinal, heading, text,"
-                "  setweight(to_tsvector('english', head), 'A') || to_tsvector('english', body) AS sv"
-                "  FROM unnest($2::text[], $3::int[], $4::text[], $5::text[], $6::text[], $7::text[])"
-                "  AS t(id, ordinal, heading, text, head, body)) AS prepared",
-                header.document_id,
-                ids,
-                [chunk.ordinal for chunk in chunks],
-                [chunk.heading for chunk in chunks],
-                [chunk.text for chunk in chunks],
-                [segment(f"{header.title} {chunk.heading}") for chunk in chunks],
-                [segment(chunk.text) for chunk in chunks],
-                header.acl,
-            )
-            await connection.copy_records_to_table(
-                table, records=list(zip(ids, list(vectors), strict=True)), columns=["chunk_id", "embedding"]
+            await write_chunks(
+                connection, header.document_id, header.title, chunks, ids, header.acl, index_version, table, vectors
             )
             await self._forget_older(connection, header.document_id, header.version)
         return IndexOutcome.INDEXED

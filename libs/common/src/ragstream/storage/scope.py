@@ -26,7 +26,8 @@ class Scope:
     def build(cls, filters: SearchFilters, principal: Principal | None, *, first_param: int) -> Scope:
         """``first_param`` is the number of the first ``$n`` placeholder this clause may use."""
         # rag_enabled: a document of a switched-off connection still in flight never shows.
-        clauses = ["d.status = 'indexed'", "k.status = 'active'", "k.rag_enabled"]
+        # index_version: only the connection's active index; a re-chunk builds the next one beside it.
+        clauses = ["d.status = 'indexed'", "k.status = 'active'", "k.rag_enabled", "c.index_version = k.index_version"]
         params: list[Any] = []
 
         def param(value: Any) -> str:

@@ -1,0 +1,450 @@
+"""Re-chunk a connection with a new chunking config against a real PostgreSQL: search goes on, one config per search."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ragstream.api.connections import connections_router
+from ragstream.api.http import create_app
+from ragstream.api.rechunk import rechunk_router
+from ragstream.chunking import ChunkingConfig, MarkdownChunking, RecursiveChunking
+from ragstream.connectors.folder import FolderConnector
+from ragstream.credentials import CredentialCipher
+from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, DocumentIndexed
+from ragstream.pipeline import EmbeddedPipeline
+from ragstream.rechunk import Rechunker, RechunkProgress
+from ragstream.retrieval import SearchRequest
+from ragstream.retrieval.models import SearchFilters
+from ragstream.runtime import Runtime
+from ragstream.settings import Settings
+from ragstream.stages.index import IndexService
+from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.documents import StaleChunkingError, document_id
+from ragstream.storage.rechunk import RebuiltChunks, RechunkDocument, RechunkStore
+from ragstream.storage.spaces import SpaceStore
+
+pytestmark = pytest.mark.integration
+
+NEW = RecursiveChunking(size=200, overlap=0)
+TOPICS = [
+    ("install", "Download the package and run the installer on Linux or macOS."),
+    ("keys", "Rotate API keys every ninety days; old keys stop working after a grace period."),
+    ("backup", "A nightly backup copies the database; restore it with the restore command."),
+    ("network", "Open port 8080 for the HTTP API and 9092 for the broker on every node."),
+    ("logs", "Logs rotate daily and are kept for two weeks in the logs folder of the server."),
+    ("users", "Invite users by e-mail; an admin grants them roles and groups in the console."),
+    ("billing", "Invoices are issued monthly and paid by card or bank transfer within thirty days."),
+    ("alerts", "Alerts page the on-call engineer when the error rate stays above one percent."),
+]
+QUERIES = ["install the server on linux", "rotate the api keys", "restore the database backup", "invoices paid by card"]
+
+
+def document(topic: str, sentence: str, *, extra: str = "") -> str:
+    """Several paragraphs: one chunk under the default Markdown config, several under ``NEW``."""
+    paragraphs = [f"{sentence} Step {step} of the {topic} guide explains this in detail." for step in range(1, 6)]
+    return f"# {topic.title()}\n\n" + "\n\n".join(paragraphs) + (f"\n\n{extra}" if extra else "")
+
+
+def write(folder: Path, files: dict[str, str]) -> None:
+    folder.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+
+
+async def sync(runtime: Runtime, folder: Path) -> None:
+    report = await runtime.pipeline().sync(FolderConnector(folder))
+    assert report.ok, report.failures
+
+
+@pytest.fixture
+async def corpus_connection(runtime: Runtime, tmp_path: Path) -> tuple[Path, str]:
+    """A folder connection with every topic indexed under the default (Markdown) chunking."""
+    folder = tmp_path / "docs"
+    write(folder, {f"{topic}.md": document(topic, sentence) for topic, sentence in TOPICS})
+    await sync(runtime, folder)
+    return folder, FolderConnector(folder).connection_id
+
+
+@pytest.fixture
+async def tasks() -> AsyncIterator[list[asyncio.Task[RechunkProgress]]]:
+    """Runs a test starts in the background, cancelled if the test fails while they wait: a paused run
+    would hold its pool connection and block the session's runtime from closing."""
+    started: list[asyncio.Task[RechunkProgress]] = []
+    yield started
+    for task in started:
+        task.cancel()
+    await asyncio.gather(*started, return_exceptions=True)
+
+
+class PausingStore(RechunkStore):
+    """The real store, counting the documents a run stores and holding the ``pause_at``-th one until
+    ``resume`` is set: a rebuild that takes a while, with a known number of documents done."""
+
+    def __init__(self, runtime: Runtime, *, pause_at: int | None = None, delay_s: float = 0.0) -> None:
+        super().__init__(runtime.pool)
+        self.pause_at = pause_at
+        self.delay_s = delay_s
+        self.stored: list[str] = []
+        self.paused = asyncio.Event()
+        self.resume = asyncio.Event()
+
+    async def store(self, document: RechunkDocument, index_version: int, rebuilt: RebuiltChunks) -> bool:
+        if len(self.stored) + 1 == self.pause_at:
+            self.paused.set()
+            await asyncio.wait_for(self.resume.wait(), 60)
+        await asyncio.sleep(self.delay_s)
+        self.stored.append(document.document_id)
+        return await super().store(document, index_version, rebuilt)
+
+
+def rechunker(runtime: Runtime, store: RechunkStore, progress_interval_s: float = 2.0) -> Rechunker:
+    return Rechunker(store, runtime.chunker, runtime.spaces, batch_size=3, progress_interval_s=progress_interval_s)
+
+
+async def search_ids(runtime: Runtime, connection_id: str, query: str) -> list[str]:
+    response = await runtime.retriever.search(
+        SearchRequest(query=query, top_k=10, filters=SearchFilters(connection_ids=[connection_id]))
+    )
+    return [result.chunk_id for result in response.results]
+
+
+async def chunk_rows(runtime: Runtime, connection_id: str) -> dict[str, list[tuple[int, str, str, int]]]:
+    """Every chunk of the connection by document source: (ordinal, heading, text, index version)."""
+    rows = await runtime.pool.fetch(
+        "SELECT d.source, c.ordinal, c.heading, c.text, c.index_version FROM chunks c"
+        " JOIN documents d ON d.id = c.document_id WHERE d.connection_id = $1 ORDER BY d.source, c.index_version,"
+        " c.ordinal",
+        connection_id,
+    )
+    found: dict[str, list[tuple[int, str, str, int]]] = {}
+    for row in rows:
+        found.setdefault(row["source"], []).append((row["ordinal"], row["heading"], row["text"], row["index_version"]))
+    return found
+
+
+async def expected_chunks(runtime: Runtime, text: str, config: ChunkingConfig) -> list[tuple[int, str, str]]:
+    """What ingest would store for this content under ``config``."""
+    chunker = await runtime.chunker.chunker(config)
+    _, chunks = await runtime.chunker.chunk(text.encode(), "text/markdown", "", chunker)
+    return [(chunk.ordinal, chunk.heading, chunk.text) for chunk in chunks]
+
+
+async def connection_ids(runtime: Runtime, connection_id: str) -> set[str]:
+    rows = await runtime.pool.fetch(
+        "SELECT c.id FROM chunks c JOIN documents d ON d.id = c.document_id WHERE d.connection_id = $1", connection_id
+    )
+    return {row["id"] for row in rows}
+
+
+async def assert_one_clean_version(runtime: Runtime, connection_id: str, files: dict[str, str]) -> None:
+    """Only chunks of the active version, exactly what ``NEW`` makes of each file, each with one vector."""
+    active = await runtime.pool.fetchval("SELECT index_version FROM connections WHERE id = $1", connection_id)
+    found = await chunk_rows(runtime, connection_id)
+    assert set(found) == set(files)
+    for name, text in files.items():
+        assert {version for *_, version in found[name]} == {active}, name
+        assert [row[:3] for row in found[name]] == await expected_chunks(runtime, text, NEW), name
+    space = await SpaceStore(runtime.pool).active()
+    assert space is not None
+    vectors = await runtime.pool.fetchval(
+        f"SELECT count(*) FROM {space.table} e JOIN chunks c ON c.id = e.chunk_id JOIN documents d"
+        " ON d.id = c.document_id WHERE d.connection_id = $1",
+        connection_id,
+    )
+    assert vectors == sum(len(rows) for rows in found.values())
+
+
+async def test_searches_during_a_rechunk_never_fail_nor_mix_old_and_new_chunks(
+    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[RechunkProgress]]
+) -> None:
+    folder, connection = corpus_connection
+    files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
+    old_ids = await connection_ids(runtime, connection)
+    assert len(old_ids) == len(TOPICS)  # one Markdown chunk per document
+    before = {query: await search_ids(runtime, connection, query) for query in QUERIES}
+    store = PausingStore(runtime, delay_s=0.1)
+    progress: list[RechunkProgress] = []
+    task = asyncio.create_task(rechunker(runtime, store).run(connection, NEW, progress.append))
+    tasks.append(task)
+    seen: list[tuple[str, list[str]]] = []
+
+    async def keep_searching(offset: int) -> None:
+        after_switch = 0
+        while after_switch < len(QUERIES):
+            query = QUERIES[(len(seen) + offset) % len(QUERIES)]
+            seen.append((query, await search_ids(runtime, connection, query)))  # never raises
+            after_switch += task.done()
+
+    await asyncio.gather(*(keep_searching(offset) for offset in range(3)))
+    result = await task
+    assert result.status == "switched", result.error
+    new_ids = await connection_ids(runtime, connection)
+    assert not new_ids & old_ids and len(new_ids) > len(old_ids)
+    old_searches = [query for query, ids in seen if set(ids) <= old_ids]
+    assert all(ids and (set(ids) <= old_ids or set(ids) <= new_ids) for _, ids in seen)
+    assert len(old_searches) > len(QUERIES) and len(old_searches) < len(seen)  # searched while it built, and after
+    for query, ids in seen:
+        if set(ids) <= old_ids:
+            assert ids == before[query]
+    await assert_one_clean_version(runtime, connection, files)
+    stored = await runtime.pool.fetchval("SELECT config -> 'chunking' FROM connections WHERE id = $1", connection)
+    assert stored is not None and RecursiveChunking.model_validate_json(stored) == NEW
+    assert len(store.stored) == len(TOPICS)  # each document rebuilt once
+    assert result.documents_done == result.documents_total == len(TOPICS)
+    assert result.chunks == len(new_ids) and progress[-1].status == "switched"
+    run = await RechunkStore(runtime.pool).latest_run(connection)
+    assert run is not None and run.status == "switched" and run.documents_done == len(TOPICS)
+    assert run.chunks == len(new_ids) and run.eta_seconds == 0 and run.finished_at is not None
+    # Ingest from now on chunks with the new config, at the new version.
+    write(folder, {"install.md": document("install", TOPICS[0][1], extra="Also supports FreeBSD jails.")})
+    await sync(runtime, folder)
+    files["install.md"] = (folder / "install.md").read_text(encoding="utf-8")
+    await assert_one_clean_version(runtime, connection, files)
+
+
+async def test_documents_edited_during_a_rechunk_are_right_after_the_switch(
+    runtime: Runtime, corpus_connection: tuple[Path, str], tmp_path: Path, tasks: list[asyncio.Task[RechunkProgress]]
+) -> None:
+    folder, connection = corpus_connection
+    store = PausingStore(runtime, pause_at=3)  # two documents rebuilt, the third held
+    task = asyncio.create_task(rechunker(runtime, store).run(connection, NEW))
+    tasks.append(task)
+    await store.paused.wait()
+    order = sorted((document_id(connection, f"{topic}.md"), f"{topic}.md") for topic, _ in TOPICS)
+    rebuilt, held, untouched = order[0][1], order[2][1], order[-1][1]
+    assert [doc for doc, _ in order[:2]] == store.stored
+    edits = {
+        rebuilt: document("edited", "Aardvark vaults keep the rebuilt document's new content."),
+        held: document("held", "Quokka habitats replace the held document's content."),
+        untouched: document("later", "Zephyr dashboards replace a document not rebuilt yet."),
+        "added.md": document("added", "Narwhal tusks are in a document added during the rebuild."),
+    }
+    write(folder, edits)
+    deleted = order[3][1]
+    (folder / deleted).unlink()
+    await sync(runtime, folder)  # commits with the old config, at the old version
+    during = await chunk_rows(runtime, connection)
+    assert deleted not in during
+    for name in edits:
+        assert {version for *_, version in during[name]} == {0}, name  # only the old version: rebuilt again later
+    assert len(await search_ids(runtime, connection, "aardvark vaults")) > 0
+    store.resume.set()
+    result = await task
+    assert result.status == "switched", result.error
+    files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+    for query, name in [("aardvark vaults", rebuilt), ("quokka habitats", held), ("narwhal tusks", "added.md")]:
+        response = await runtime.retriever.search(
+            SearchRequest(query=query, top_k=1, filters=SearchFilters(connection_ids=[connection]))
+        )
+        assert response.results[0].source == name and len(response.results[0].text) <= NEW.size
+    # A document chunked for the old version but committed after the switch is refused, to be chunked again.
+    header = DocumentHeader(
+        document_id=document_id(connection, "late.md"),
+        connection_id=connection,
+        external_id="late.md",
+        version=await runtime.store.next_version(),
+        content_hash="h",
+        title="late",
+        source="late.md",
+        media_type="text/markdown",
+    )
+    vectors = await runtime.embedder.embed(["late"])
+    chunk = ChunkPayload(ordinal=0, heading="", text="late")
+    with pytest.raises(StaleChunkingError):
+        await runtime.store.commit_document(header, [chunk], vectors, runtime.embedder.model_key, 0)
+
+
+class SwitchingIndexer(IndexService):
+    """The real index stage, which lets a whole re-chunk run and switch before its first commit: the
+    document was chunked with the old config and commits after the switch."""
+
+    def __init__(self, runtime: Runtime, connection_id: str) -> None:
+        super().__init__(runtime.store)
+        self._rechunk: Rechunker | None = rechunker(runtime, RechunkStore(runtime.pool))
+        self._connection_id = connection_id
+        self.results: list[RechunkProgress] = []
+
+    async def run(self, message: ChunksEmbedded) -> DocumentIndexed | None:
+        if self._rechunk is not None:
+            rechunk, self._rechunk = self._rechunk, None
+            self.results.append(await rechunk.run(self._connection_id, NEW))
+        return await super().run(message)
+
+
+async def test_a_document_chunked_before_the_switch_and_committed_after_is_chunked_again(
+    runtime: Runtime, corpus_connection: tuple[Path, str]
+) -> None:
+    folder, connection = corpus_connection
+    indexer = SwitchingIndexer(runtime, connection)
+    pipeline = EmbeddedPipeline(
+        runtime.store, runtime.chunker, runtime.embed, indexer, max_document_bytes=runtime.settings.max_document_bytes
+    )
+    write(folder, {"late.md": document("late", "Pangolin scales arrive while the re-chunk switches.")})
+    report = await pipeline.sync(FolderConnector(folder))
+    assert report.ok, report.failures
+    assert report.progress.indexed == 1 and [result.status for result in indexer.results] == ["switched"]
+    files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+
+
+async def test_a_cancelled_rechunk_keeps_the_old_chunks_and_resumes(
+    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[RechunkProgress]]
+) -> None:
+    folder, connection = corpus_connection
+    old_ids = await connection_ids(runtime, connection)
+    before = await search_ids(runtime, connection, QUERIES[0])
+    first = PausingStore(runtime, pause_at=5)  # four documents stored, the fifth held: then cancelled
+    task = asyncio.create_task(rechunker(runtime, first, progress_interval_s=0.1).run(connection, NEW))
+    tasks.append(task)
+    await first.paused.wait()
+    await asyncio.sleep(0.3)  # stuck, yet progress is written
+    running = await RechunkStore(runtime.pool).latest_run(connection)
+    assert running is not None and running.status == "running"
+    assert (running.documents_total, running.documents_done) == (len(TOPICS), 4) and running.chunks > 4
+    assert running.rate and running.eta_seconds and (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    run = await RechunkStore(runtime.pool).latest_run(connection)
+    assert run is not None and run.status == "interrupted" and run.documents_done == 4
+    assert await search_ids(runtime, connection, QUERIES[0]) == before
+    assert (await connection_ids(runtime, connection)) > old_ids  # the new version's first documents wait
+
+    second = PausingStore(runtime)
+    result = await rechunker(runtime, second).run(connection, NEW)
+    assert result.status == "switched" and result.index_version == run.index_version
+    assert len(second.stored) == len(TOPICS) - 4 and not set(second.stored) & set(first.stored[:4])
+    assert result.documents_done == len(TOPICS)
+    files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+
+
+async def test_a_rechunk_with_another_config_drops_the_abandoned_version(
+    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[RechunkProgress]]
+) -> None:
+    folder, connection = corpus_connection
+    first = PausingStore(runtime, pause_at=3)
+    task = asyncio.create_task(rechunker(runtime, first).run(connection, RecursiveChunking(size=400, overlap=0)))
+    tasks.append(task)
+    await first.paused.wait()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    abandoned = (await RechunkStore(runtime.pool).latest_run(connection)).index_version  # type: ignore[union-attr]
+    second = PausingStore(runtime)
+    result = await rechunker(runtime, second).run(connection, NEW)
+    assert result.status == "switched" and result.index_version == abandoned + 1
+    assert len(second.stored) == len(TOPICS)
+    files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+
+
+async def test_a_document_without_staged_content_fails_the_run_and_keeps_the_old_chunks(
+    runtime: Runtime, corpus_connection: tuple[Path, str]
+) -> None:
+    _, connection = corpus_connection
+    before = await search_ids(runtime, connection, QUERIES[0])
+    await runtime.pool.execute(
+        "DELETE FROM staged_documents s USING documents d WHERE d.id = s.document_id AND d.version = s.version"
+        " AND d.id = $1",
+        document_id(connection, "keys.md"),
+    )
+    result = await rechunker(runtime, RechunkStore(runtime.pool)).run(connection, NEW)
+    assert result.status == "failed" and result.error is not None and "keys" in result.error
+    assert "no longer staged" in result.error and result.documents_failed == 1
+    assert await search_ids(runtime, connection, QUERIES[0]) == before
+    assert await runtime.pool.fetchval("SELECT index_version FROM connections WHERE id = $1", connection) == 0
+
+
+async def test_patching_the_chunking_config_rechunks_in_the_background(
+    runtime: Runtime, corpus_connection: tuple[Path, str]
+) -> None:
+    folder, connection = corpus_connection
+    store = PausingStore(runtime, delay_s=0.2)
+    background = rechunker(runtime, store, progress_interval_s=0.1)
+    connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(Settings()))
+
+    async def ready() -> bool:
+        return True
+
+    app = create_app(
+        lambda: runtime.retriever,
+        ready=ready,
+        routers=[
+            connections_router(connections, on_chunking_changed=background.start),
+            rechunk_router(background, RechunkStore(runtime.pool)),
+        ],
+    )
+    path = f"/v1/connections/{connection}"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        assert (await client.get(f"{path}/rechunk")).status_code == 404
+        patched = await client.patch(path, json={"config": {"chunking": NEW.model_dump()}, "name": "renamed"})
+        assert patched.status_code == 200, patched.text
+        assert patched.json()["name"] == "renamed" and "chunking" not in patched.json()["config"]
+        running = (await client.get(f"{path}/rechunk")).json()
+        assert running["status"] == "running" and running["documents_total"] == len(TOPICS)
+        again = await client.patch(path, json={"config": {"chunking": NEW.model_dump()}})
+        assert again.status_code == 409
+        busy = await client.post(f"{path}/rechunk", json={"chunking": NEW.model_dump()})
+        assert busy.status_code == 409
+        for _ in range(200):
+            body = (await client.get(f"{path}/rechunk")).json()
+            if body["status"] != "running":
+                break
+            await asyncio.sleep(0.1)
+        assert body["status"] == "switched" and body["documents_done"] == body["documents_total"] == len(TOPICS)
+        assert body["chunks"] > len(TOPICS) and body["rate"] > 0
+        shown = (await client.get(path)).json()
+        assert shown["config"]["chunking"] == NEW.model_dump(mode="json")
+        # The same config again changes nothing; the old one back starts another run, which can be cancelled.
+        assert (await client.patch(path, json={"config": {"chunking": NEW.model_dump()}})).status_code == 200
+        assert (await client.get(f"{path}/rechunk")).json()["index_version"] == body["index_version"]
+        markdown = MarkdownChunking().model_dump()
+        started = await client.post(f"{path}/rechunk", json={"chunking": markdown})
+        assert started.status_code == 202 and started.json()["index_version"] == body["index_version"] + 1
+        assert (await client.delete(f"{path}/rechunk")).status_code == 204
+        assert (await client.get(f"{path}/rechunk")).json()["status"] == "interrupted"
+        assert (await client.delete(f"{path}/rechunk")).status_code == 404
+        assert (await client.post("/v1/connections/nope/rechunk", json={"chunking": markdown})).status_code == 404
+    await background.aclose()
+    files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+
+
+async def test_the_command_shows_progress_and_switches(
+    runtime: Runtime, corpus_connection: tuple[Path, str], database_url: str
+) -> None:
+    folder, connection = corpus_connection
+    env = {**os.environ, "DATABASE_URL": database_url, "COLUMNS": "160"}
+    command = [sys.executable, "-m", "ragstream.cli", "rechunk", str(folder), "--chunker", "recursive"]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*command, "--chunk-size", "200", "--chunk-overlap", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{len(TOPICS)}/{len(TOPICS)}" in done.stderr and "docs/s" in done.stderr
+    assert "search now uses index version" in done.stderr
+    files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+    missing = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "ragstream.cli", "rechunk", "nope", "--chunker", "token"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert missing.returncode == 1 and "cannot re-chunk" in missing.stderr
