@@ -34,6 +34,16 @@ __all__ = [
 SCHEMA_VERSION = 1
 
 
+IndexVersion = Annotated[
+    int,
+    Field(
+        title="Index version",
+        description="The connection's index version whose chunking config made these chunks.",
+        ge=0,
+    ),
+]
+
+
 class Topic(StrEnum):
     """Topic names; ``doc.changed`` is log-compacted so a replay rebuilds every index."""
 
@@ -119,14 +129,7 @@ class DocumentChunked(_Message):
     batch_count: Annotated[int, Field(title="Number of batches", ge=1)]
     chunk_count: Annotated[int, Field(title="Chunks in the whole document", ge=1)]
     chunks: Annotated[list[ChunkPayload], Field(title="Chunks of this batch")]
-    index_version: Annotated[
-        int,
-        Field(
-            title="Index version",
-            description="The connection's index version whose chunking config made these chunks.",
-            ge=0,
-        ),
-    ] = 0
+    index_version: IndexVersion = 0
 
 
 class ChunksEmbedded(_Message):
@@ -140,14 +143,7 @@ class ChunksEmbedded(_Message):
     model_key: Annotated[str, Field(title="Embedding space", description="Model and dimension.")]
     dimension: Annotated[int, Field(title="Vector dimension", ge=1)]
     vectors: Annotated[bytes, Field(title="Packed vectors", description="little-endian float32, row-major")]
-    index_version: Annotated[
-        int,
-        Field(
-            title="Index version",
-            description="The connection's index version whose chunking config made these chunks.",
-            ge=0,
-        ),
-    ] = 0
+    index_version: IndexVersion = 0
 
     def vector_array(self) -> Vectors:
         return unpack_vectors(self.vectors, self.dimension)

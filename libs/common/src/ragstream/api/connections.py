@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Response
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
 
+from ragstream.api.syncs import SyncError
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
@@ -169,14 +170,7 @@ class ConnectionView(BaseModel):
     credential_fields: Annotated[
         list[str], Field(title="Names of the stored credential fields", description="Empty if unreadable.")
     ]
-    sync_error: Annotated[
-        str | None,
-        Field(
-            title="What went wrong",
-            description="The latest failed sync's reason, then the documents that did not index by code, e.g. "
-            "'3 documents failed: 2 embedding_unavailable, 1 binary'. None when all is well.",
-        ),
-    ]
+    sync_error: SyncError
     created_at: Annotated[datetime, Field(title="Created")]
     updated_at: Annotated[datetime, Field(title="Last changed")]
 

@@ -12,7 +12,16 @@ from pydantic import BaseModel, Field
 from ragstream.control.runs import RagDisabled, RunStatus, SyncInProgress, SyncRun, SyncRunStore
 from ragstream.storage.cursors import Direction
 
-__all__ = ["ConnectionSyncStatus", "SyncRunView", "sync_router"]
+__all__ = ["ConnectionSyncStatus", "SyncError", "SyncRunView", "sync_router"]
+
+SyncError = Annotated[
+    str | None,
+    Field(
+        title="What went wrong",
+        description="The latest failed sync's reason, then the documents that did not index by code, e.g. "
+        "'3 documents failed: 2 embedding_unavailable, 1 binary'. None when all is well.",
+    ),
+]
 
 StatusLabel = Literal["Queued", "Syncing", "Ready", "Failed"]
 
@@ -80,14 +89,7 @@ class ConnectionSyncStatus(BaseModel):
     connection_id: Annotated[str, Field(title="Connection id")]
     status: Annotated[StatusLabel | None, Field(title="Status of the latest run", description="None: never synced.")]
     reason: Annotated[str | None, Field(title="Why the latest run failed")] = None
-    sync_error: Annotated[
-        str | None,
-        Field(
-            title="What went wrong",
-            description="The latest failed sync's reason, then the documents that did not index by code, e.g. "
-            "'3 documents failed: 2 embedding_unavailable, 1 binary'. None when all is well.",
-        ),
-    ] = None
+    sync_error: SyncError = None
     progress: Annotated[SyncRunView | None, Field(title="The latest run with its counters, rate and ETA")] = None
 
 
