@@ -234,3 +234,33 @@ async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime
         assert {document: committed[document] for document in staged_first} == staged_first
     finally:
         await runs.aclose()
+
+
+@pytest.mark.parametrize("versions", [True, False], ids=["versioned", "versionless"])
+async def test_a_resumed_walk_examines_what_changed_behind_its_cursor(
+    runtime: Runtime, tmp_path: Path, versions: bool
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connection_id = CountingFolder(corpus).connection_id
+    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=versions))).ok
+    # A forward walk stopped after "a-10.md": the next sync resumes it.
+    cursors = runtime.store.cursors
+    await cursors.begin(connection_id, "download")
+    await cursors.advance(connection_id, "download", "a-10.md", 7)
+    # Meanwhile, behind the cursor: a committed document is edited and a new one appears.
+    (corpus / "a-01.md").write_text("# Doc 1\n\nEdited behind the cursor: orchidvault moved.\n")
+    (corpus / "a-00.md").write_text("# New\n\nA new orchidvault page behind the cursor.\n")
+
+    again = CountingFolder(corpus, versions=versions)
+    report = await runtime.pipeline().sync(again)
+
+    assert report.ok and report.progress.resumed
+    # The new document is never skipped; the edit is found by its cheap version, with no other
+    # download behind the cursor. Without versions the committed documents there are not read again.
+    expected = ["a-00.md", "a-01.md"] if versions else ["a-00.md"]
+    assert [external_id for external_id in again.downloaded if external_id <= "a-10.md"] == expected
+    assert report.progress.indexed == len(expected)
+    indexed = {source for source, *_ in await index_of(runtime, connection_id)}
+    assert "a-00.md" in indexed

@@ -68,9 +68,11 @@ class FetchService:
 
     The walk keeps a ``download`` cursor (the last external id it finished). A sync that stopped
     midway leaves it unfinished, and the next one resumes it: what the stopped walk staged but never
-    indexed is announced again from the staging store, and the other items up to the cursor are not
-    examined again. The whole listing is still walked: it is cheap, and deletions need all of it. A
-    failure or change behind the cursor meanwhile is found by the next walk, a forward one.
+    indexed is announced again from the staging store, and committed items up to the cursor whose
+    listing has no cheap version are not downloaded again (their edits since are found by the next,
+    forward walk). Everything else is examined as in any walk: new items, and items with a cheap
+    version, whose comparison costs no download. The whole listing is still walked: it is cheap, and
+    deletions need all of it.
     """
 
     def __init__(
@@ -148,23 +150,35 @@ class FetchService:
                 counts.changed_ids.append(header.document_id)
                 return True
             # Changed since it was staged: download it again, wherever the cursor stands.
-        elif walk.position is not None and item.external_id <= walk.position:
-            # Finished by the interrupted walk. Without a cheap version (source_version None) it would
-            # otherwise be downloaded again just to compare hashes.
+        elif (
+            walk.position is not None
+            and item.external_id <= walk.position
+            and item.source_version is None
+            and (known := committed.get(item.external_id)) is not None
+        ):
+            # Committed, and finished by the interrupted walk: without a cheap version it would be
+            # downloaded again just to compare hashes. Its permissions are still compared (free); an
+            # edit since the stopped walk passed it is found by the next, forward walk. Everything else
+            # is examined as usual: a new item, and one with a cheap version, which costs no download.
+            await self._sync_acl(item, known, counts)
             counts.unchanged += 1
             return True
         return await self._process(item, committed.get(item.external_id), sink, counts)
+
+    async def _sync_acl(self, item: SourceItem, known: CommittedDocument, counts: SyncCounts) -> None:
+        """Permissions changed: rewrite the chunks' ACL now, without re-reading or re-embedding.
+        A revoked reader loses access at once, even while a new version is still on its way."""
+        acl = sorted(set(item.acl)) if item.acl is not None else None
+        if acl != (sorted(known.acl) if known.acl is not None else None):
+            await self._store.update_acl(known.document_id, acl)
+            counts.acl_updated += 1
 
     async def _process(
         self, item: SourceItem, known: CommittedDocument | None, sink: ChangeSink, counts: SyncCounts
     ) -> bool:
         """Handle one listed item; False when it vanished and must be treated as deleted."""
-        acl = sorted(set(item.acl)) if item.acl is not None else None
-        if known and acl != (sorted(known.acl) if known.acl is not None else None):
-            # Permissions changed: rewrite the chunks' ACL now, without re-reading or re-embedding.
-            # A revoked reader loses access at once, even while a new version is still on its way.
-            await self._store.update_acl(known.document_id, acl)
-            counts.acl_updated += 1
+        if known:
+            await self._sync_acl(item, known, counts)
         if known and item.source_version is not None and item.source_version == known.source_version:
             counts.unchanged += 1
             return True
