@@ -195,15 +195,22 @@ def create_app() -> FastAPI:
         return syncs[connector.connection_id]
 
     async def launch(run: SyncRun) -> None:
-        """Run a claimed run of any connection the fetcher has a connector for."""
+        """Run a claimed run of any connection the fetcher has a connector for. A run that cannot
+        start (no connector, a folder gone, the database failing) ends failed at once: it is owned by
+        this process, so left syncing it would block the connection until the stale timeout."""
         runs = run_store()
-        row = await runs.connection(run.connection_id)
         try:
+            row = await runs.connection(run.connection_id)
             if row is None:
                 raise NoConnector(f"connection {run.connection_id} no longer exists")
             connector = connector_for(row)
-        except NoConnector as error:
-            await runs.finish(run.id, RunStatus.FAILED, str(error), RunCounts(), None)
+        except Exception as error:
+            logger.warning("sync run %s of %s cannot start", run.id, run.connection_id, exc_info=True)
+            try:
+                await runs.finish(run.id, RunStatus.FAILED, failure_reason(error), RunCounts(), None)
+            finally:
+                # If finish could not write, the run is left ownerless, and any reap fails it.
+                await runs.release(run.id)
             return
         syncs[run.connection_id] = SyncStatus(connection_id=run.connection_id, state="syncing", counts={})
         running[run.connection_id] = asyncio.create_task(run_sync(connector, run))

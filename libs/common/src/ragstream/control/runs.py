@@ -29,6 +29,7 @@ from ragstream.storage.cursors import Direction
 
 __all__ = [
     "OWNER_GONE",
+    "OWNER_LOCK",
     "ConnectionOverview",
     "Downstream",
     "RagDisabled",
@@ -45,8 +46,9 @@ Trigger = Literal["api", "create", "schedule", "cli"]
 # Serialises claims: count the running runs and take a queued one as one step. Any constant works.
 _CLAIM_LOCK = 0x73796E63
 # The first key of every owner lock (two-key form, so it never meets the one-key locks above); the
-# second is the run id modulo 2**31, which is unique among the runs syncing at any one time.
-_OWNER_LOCK = 0x72756E6F
+# second is the run id modulo 2**31, which is unique among the runs syncing at any one time. Public so
+# that an operator or a test can find the owners in pg_locks (classid = OWNER_LOCK, objsubid = 2).
+OWNER_LOCK = 0x72756E6F
 OWNER_GONE = "owner gone: the process running this sync stopped or lost its database session"
 
 _CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
@@ -56,7 +58,7 @@ _CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 _ORPHANED = (
     "NOT EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    f" AND l.classid::bigint = {_OWNER_LOCK} AND l.objid::bigint = sync_runs.id % 2147483648)"
+    f" AND l.classid::bigint = {OWNER_LOCK} AND l.objid::bigint = sync_runs.id % 2147483648)"
 )
 _SILENT = "coalesce(heartbeat_at, started_at, created_at) < now() - make_interval(secs => $2)"
 _INSERT = (
@@ -209,7 +211,7 @@ class _RunOwner:
     async def hold(connection: asyncpg.Connection, run_id: int) -> None:
         """Lock a run inside the transaction that makes it syncing: once that commits, no session can
         see the run syncing without its lock held."""
-        await connection.execute("SELECT pg_advisory_lock($1, $2)", _OWNER_LOCK, _owner_key(run_id))
+        await connection.execute("SELECT pg_advisory_lock($1, $2)", OWNER_LOCK, _owner_key(run_id))
 
     async def release(self, run_id: int) -> None:
         """Unlock a run that has ended; nothing to do when the session is already gone."""
@@ -218,7 +220,7 @@ class _RunOwner:
             if connection is None or connection.is_closed():
                 return
             with contextlib.suppress(*_CONNECTION_ERRORS):
-                await connection.execute("SELECT pg_advisory_unlock($1, $2)", _OWNER_LOCK, _owner_key(run_id))
+                await connection.execute("SELECT pg_advisory_unlock($1, $2)", OWNER_LOCK, _owner_key(run_id))
 
     async def close(self) -> None:
         """End the session, and with it every lock: runs still held become visibly ownerless."""
