@@ -27,7 +27,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
-import asyncpg
 from fastapi import FastAPI, HTTPException, Response
 from prometheus_client import make_asgi_app
 from pydantic import BaseModel, Field
@@ -39,6 +38,7 @@ from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import NoConnector, connector_for, register_folder
 from ragstream.control.runner import failure_reason
 from ragstream.control.runs import (
+    CONNECTION_ERRORS,
     Downstream,
     RagDisabled,
     RunCounts,
@@ -225,7 +225,7 @@ def create_app() -> FastAPI:
                 await runs.reap()
                 while (run := await runs.claim(settings.max_concurrent_syncs)) is not None:
                     await launch(run)
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+            except CONNECTION_ERRORS as error:
                 logger.warning("claiming sync runs failed, retrying: %s", error)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), _CLAIM_POLL_S)

@@ -13,10 +13,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import asyncpg
-
 from ragstream.connectors.registry import NoConnector, connector_for
-from ragstream.control.runs import RunCounts, RunStatus, SyncRun, SyncRunStore
+from ragstream.control.runs import CONNECTION_ERRORS, RunCounts, RunStatus, SyncRun, SyncRunStore
 from ragstream.degradation import EmbeddingDegraded
 from ragstream.pipeline import EmbeddedPipeline, SyncProgress, SyncReport
 
@@ -104,7 +102,7 @@ class SyncRunner:
             while True:
                 try:
                     await self.claim_pending()
-                except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+                except CONNECTION_ERRORS as error:
                     logger.warning("claiming sync runs failed, retrying: %s", error)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self._poll_interval_s)
@@ -183,7 +181,7 @@ class SyncRunner:
                 still_running = await self._runs.progress(
                     run_id, counts, progress.rate, _eta(progress), moved=counts != last
                 )
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+            except CONNECTION_ERRORS as error:
                 # A lost progress write is not worth failing the sync for; the next one catches up.
                 logger.warning("progress of sync run %s not written: %s", run_id, error)
                 continue

@@ -28,6 +28,7 @@ from ragstream.connectors.registry import ConnectionRow
 from ragstream.storage.cursors import Direction
 
 __all__ = [
+    "CONNECTION_ERRORS",
     "OWNER_GONE",
     "OWNER_LOCK",
     "ConnectionOverview",
@@ -51,7 +52,8 @@ _CLAIM_LOCK = 0x73796E63
 OWNER_LOCK = 0x72756E6F
 OWNER_GONE = "owner gone: the process running this sync stopped or lost its database session"
 
-_CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+# What a lost or failing database connection raises: callers that can retry later catch these.
+CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 
 # Runs syncing whose owner lock nobody holds. pg_locks lists every database of the server, hence the
 # database filter; a lock taken in a committed transaction is visible to every session at once.
@@ -219,7 +221,7 @@ class _RunOwner:
             connection = self._connection
             if connection is None or connection.is_closed():
                 return
-            with contextlib.suppress(*_CONNECTION_ERRORS):
+            with contextlib.suppress(*CONNECTION_ERRORS):
                 await connection.execute("SELECT pg_advisory_unlock($1, $2)", OWNER_LOCK, _owner_key(run_id))
 
     async def close(self) -> None:
@@ -227,7 +229,7 @@ class _RunOwner:
         async with self._lock:
             connection, self._connection = self._connection, None
             if connection is not None:
-                with contextlib.suppress(*_CONNECTION_ERRORS):
+                with contextlib.suppress(*CONNECTION_ERRORS):
                     await connection.close()
 
 
