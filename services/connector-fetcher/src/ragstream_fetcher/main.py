@@ -63,6 +63,14 @@ logger = logging.getLogger(__name__)
 _CLAIM_POLL_S = 5.0
 
 
+class _RunAbandoned(Exception):
+    """The run being executed is no longer syncing: it was failed elsewhere (stale, or its owner
+    session was lost) and a replacement may already be resuming its walk."""
+
+    def __init__(self, run_id: int) -> None:
+        super().__init__(f"sync run {run_id} is no longer syncing")
+
+
 class FetcherSettings(BaseSettings):
     """What only the fetcher reads; everything shared comes from ``Settings``."""
 
@@ -125,11 +133,22 @@ def create_app() -> FastAPI:
             done = counts.seen if downstream is None else counts.unchanged + downstream.indexed + downstream.failed
             return done / max(time.monotonic() - started, 1e-9)
 
-        async def settle(counts: SyncCounts) -> Downstream | None:
+        async def write(counts: RunCounts, per_second: float, eta: float | None, *, moved: bool) -> None:
+            """Write the run's progress. A lost write is not worth failing the sync for (the next one
+            catches up, as in the embedded runner); a run no longer syncing (failed elsewhere as stale
+            or ownerless, and maybe replaced) stops the sync, which must not move its cursor further."""
+            try:
+                still_running = await runs.progress(run.id, counts, per_second, eta, moved=moved)
+            except CONNECTION_ERRORS as error:
+                logger.warning("progress of sync run %s not written: %s", run.id, error)
+                return
+            if not still_running:
+                raise _RunAbandoned(run.id)
+
+        async def settle(counts: SyncCounts) -> Downstream:
             """Wait until every announced change is committed by the indexer or given up on by a stage,
             writing the run's progress meanwhile (the heartbeat moves only when those counts do, so a
-            stalled pipeline goes stale). None when the run stopped being this sync's (failed elsewhere
-            as stale or ownerless)."""
+            stalled pipeline goes stale)."""
             since = run.started_at or run.created_at
             last: Downstream | None = None
             while not (downstream := await runs.downstream(counts.changed_ids, since)).settled(len(counts.changed_ids)):
@@ -137,8 +156,7 @@ def create_app() -> FastAPI:
                 done = downstream.indexed + downstream.failed
                 eta = (len(counts.changed_ids) - done) / (done / (time.monotonic() - started)) if done else None
                 current = run_counts(counts, downstream, listing_done=True)
-                if not await runs.progress(run.id, current, rate(counts, downstream), eta, moved=downstream != last):
-                    return None
+                await write(current, rate(counts, downstream), eta, moved=downstream != last)
                 last = downstream
                 await asyncio.sleep(settings.sync_progress_interval_s)
             return downstream
@@ -149,8 +167,8 @@ def create_app() -> FastAPI:
             status.counts = asdict(counts) | {"changed_ids": len(counts.changed_ids)}
             # Throttled like the embedded runner; every write here means the listing moved.
             if time.monotonic() - last_write >= settings.sync_progress_interval_s:
-                await runs.progress(run.id, run_counts(counts), rate(counts), None, moved=True)
                 last_write = time.monotonic()
+                await write(run_counts(counts), rate(counts), None, moved=True)
 
         try:
             service = FetchService(
@@ -160,15 +178,15 @@ def create_app() -> FastAPI:
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
             downstream = await settle(counts)
-            if downstream is None:
-                await runs.release(run.id)
-                ended = await runs.get(run.id)
-                status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
-                return
             status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
             final = run_counts(counts, downstream, listing_done=True)
             await runs.finish(run.id, RunStatus.READY, None, final, rate(counts, downstream))
             status.state = "ready"
+        except _RunAbandoned:
+            logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
+            await runs.release(run.id)
+            ended = await runs.get(run.id)
+            status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
         except asyncio.CancelledError:
             await runs.finish(run.id, RunStatus.FAILED, "cancelled: the process stopped", run_counts(latest), None)
             raise
