@@ -149,12 +149,11 @@ def create_app() -> FastAPI:
             """Wait until every announced change is committed by the indexer or given up on by a stage,
             writing the run's progress meanwhile (the heartbeat moves only when those counts do, so a
             stalled pipeline goes stale)."""
-            since = run.started_at or run.created_at
             last: Downstream | None = None
-            while not (downstream := await runs.downstream(counts.changed_ids, since)).settled(len(counts.changed_ids)):
+            while not (downstream := await runs.downstream(counts.announced)).settled(len(counts.announced)):
                 status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
                 done = downstream.indexed + downstream.failed
-                eta = (len(counts.changed_ids) - done) / (done / (time.monotonic() - started)) if done else None
+                eta = (len(counts.announced) - done) / (done / (time.monotonic() - started)) if done else None
                 current = run_counts(counts, downstream, listing_done=True)
                 await write(current, rate(counts, downstream), eta, moved=downstream != last)
                 last = downstream
@@ -164,7 +163,7 @@ def create_app() -> FastAPI:
         async def observe(counts: SyncCounts) -> None:
             nonlocal last_write, latest
             latest = counts
-            status.counts = asdict(counts) | {"changed_ids": len(counts.changed_ids)}
+            status.counts = asdict(counts) | {"announced": len(counts.announced)}
             # Throttled like the embedded runner; every write here means the listing moved.
             if time.monotonic() - last_write >= settings.sync_progress_interval_s:
                 last_write = time.monotonic()

@@ -386,22 +386,23 @@ class SyncRunStore:
             "UPDATE connections SET sync_error = $2, updated_at = now() WHERE id = $1", connection_id, error
         )
 
-    async def downstream(self, document_ids: Sequence[str], since: datetime) -> Downstream:
-        """Of these documents (a sync's announced changes): how many have committed since ``since``
-        (the run's start, on the database clock) and with how many chunks, and how many failed for
-        good since then. A commit after the start is of the announced version or a newer one; a
-        failure a stage is still retrying counts as neither, and so does an older version committed
-        while the announced one is failing (an open failure is of a version newer than the commit)."""
+    async def downstream(self, announced: Sequence[tuple[str, int]]) -> Downstream:
+        """Of these announced changes (a sync's ``(document id, version)`` pairs): how many have
+        committed, with how many chunks, and how many failed for good. Only the announced version
+        or a newer one counts, never an older version still in flight (from an earlier, killed run)
+        that commits or fails after this run began. A failure a stage is still retrying counts as
+        neither, and so does an older version committed while the announced one is failing."""
         row = await self._pool.fetchrow(
             "SELECT count(*) FILTER (WHERE committed) AS indexed,"
             " coalesce(sum(d.chunk_count) FILTER (WHERE committed), 0) AS chunks,"
-            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying AND f.failed_at >= $2) AS failed"
-            " FROM unnest($1::text[]) AS announced (id)"
+            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying) AS failed"
+            " FROM unnest($1::text[], $2::bigint[]) AS announced (id, version)"
             " LEFT JOIN documents d ON d.id = announced.id"
-            " LEFT JOIN open_document_failures f ON f.document_id = announced.id,"
-            " LATERAL (SELECT d.status = 'indexed' AND d.indexed_at >= $2 AND f.document_id IS NULL AS committed) c",
-            list(document_ids),
-            since,
+            " LEFT JOIN open_document_failures f ON f.document_id = announced.id AND f.version >= announced.version,"
+            " LATERAL (SELECT d.status = 'indexed' AND d.version >= announced.version AND f.document_id IS NULL"
+            " AS committed) c",
+            [document_id for document_id, _ in announced],
+            [version for _, version in announced],
         )
         assert row is not None
         return Downstream(indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"])

@@ -56,7 +56,8 @@ class SyncCounts:
     downloaded: int = 0
     direction: Direction | None = None
     resumed: bool = False
-    changed_ids: list[str] = field(default_factory=list)
+    # The (document id, version) of every change announced: what a Kafka-mode run waits for.
+    announced: list[tuple[str, int]] = field(default_factory=list)
 
 
 class FetchService:
@@ -147,7 +148,7 @@ class FetchService:
                 await sink.changed(DocumentChanged(header=header))
                 counts.changed += 1
                 counts.restaged += 1
-                counts.changed_ids.append(header.document_id)
+                counts.announced.append((header.document_id, header.version))
                 return True
             # Changed since it was staged: download it again, wherever the cursor stands.
         elif (
@@ -208,7 +209,7 @@ class FetchService:
         await self._store.stage(header, content)
         await sink.changed(DocumentChanged(header=header))
         counts.changed += 1
-        counts.changed_ids.append(header_id)
+        counts.announced.append((header_id, header.version))
         return True
 
     def _header(self, item: SourceItem, header_id: str, version: int, content_hash: str) -> DocumentHeader:
