@@ -17,6 +17,7 @@ from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import RunStatus, SyncRunStore
+from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted
 from ragstream.pipeline import SyncProgress
 from ragstream.runtime import Runtime
@@ -264,3 +265,25 @@ async def test_a_resumed_walk_examines_what_changed_behind_its_cursor(
     assert report.progress.indexed == len(expected)
     indexed = {source for source, *_ in await index_of(runtime, connection_id)}
     assert "a-00.md" in indexed
+
+
+async def test_a_staged_version_that_failed_for_good_is_not_announced_again(runtime: Runtime, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connector = CountingFolder(corpus)
+    fetch = FetchService(runtime.store, connector, max_document_bytes=runtime.settings.max_document_bytes)
+    await fetch.register()
+    await fetch.run(LostQueue())  # everything staged, nothing indexed
+    staged = await runtime.store.pending_staged(connector.connection_id)
+    assert len(staged) == DOCUMENTS
+    # One version failed for good (a parser rejected it); another failed for now, and was given up on.
+    rejected, unavailable = staged["a-01.md"], staged["a-02.md"]
+    await record_failure(runtime.store, rejected, "parse", StageFailure("binary", "not text", retryable=False))
+    await record_failure(
+        runtime.store, unavailable, "embed", StageFailure("embedding_unavailable", "503", retryable=True)
+    )
+
+    pending = await runtime.store.pending_staged(connector.connection_id)
+
+    assert set(pending) == set(staged) - {"a-01.md"}

@@ -140,12 +140,18 @@ class DocumentStore:
 
     async def pending_staged(self, connection_id: str) -> dict[str, DocumentHeader]:
         """The newest staged version of each document that nothing newer has superseded (no commit,
-        no tombstone), by external id: what an interrupted sync downloaded but never indexed."""
+        no tombstone), by external id: what an interrupted sync downloaded but never indexed.
+
+        A version that failed for good (binary, empty, rejected: a non-retryable failure of it or of
+        a newer version) is not pending: announcing it again could only fail again, growing its
+        retry count and dead-lettering it once more. Its item is examined as in any walk."""
         rows = await self._pool.fetch(
-            "SELECT DISTINCT ON (s.document_id) s.header::text AS header FROM staged_documents s"
-            " LEFT JOIN documents d ON d.id = s.document_id"
+            "SELECT p.header FROM (SELECT DISTINCT ON (s.document_id) s.document_id, s.version,"
+            " s.header::text AS header FROM staged_documents s LEFT JOIN documents d ON d.id = s.document_id"
             " WHERE s.connection_id = $1 AND s.header IS NOT NULL AND (d.version IS NULL OR d.version < s.version)"
-            " ORDER BY s.document_id, s.version DESC",
+            " ORDER BY s.document_id, s.version DESC) p"
+            " WHERE NOT EXISTS (SELECT 1 FROM document_failures f"
+            "  WHERE f.document_id = p.document_id AND f.version >= p.version AND NOT f.retryable)",
             connection_id,
         )
         headers = [DocumentHeader.model_validate_json(row["header"]) for row in rows]
