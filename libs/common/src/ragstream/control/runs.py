@@ -40,6 +40,7 @@ __all__ = [
     "SyncRun",
     "SyncRunStore",
     "Trigger",
+    "connect_session",
 ]
 
 Trigger = Literal["api", "create", "schedule", "cli"]
@@ -69,6 +70,20 @@ _INSERT = (
     " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END"
     " FROM connections WHERE id = $1 AND rag_enabled RETURNING *"
 )
+
+
+async def connect_session(dsn: str) -> asyncpg.Connection:
+    """A session of its own that may sit idle for hours (it holds advisory locks): the server's
+    ``idle_session_timeout`` is switched off for it. With a SET rather than a startup parameter,
+    which a session-mode PgBouncer would refuse; a server before PostgreSQL 14 has no such timeout."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        with contextlib.suppress(asyncpg.UndefinedObjectError):
+            await connection.execute("SET idle_session_timeout = 0")
+    except BaseException:
+        await connection.close()
+        raise
+    return connection
 
 
 class RunStatus(StrEnum):
@@ -193,7 +208,9 @@ class _RunOwner:
     Not a pooled connection: the pool resets a released connection (``pg_advisory_unlock_all``), and
     a lock must live exactly as long as this process can still finish its run. Opened on first use
     and again after it dropped (the runs it owned have been failed by then). One connection serves
-    every run of the process, so its use is serialised."""
+    every run of the process, so its use is serialised. It must be a real session: DATABASE_URL may
+    not point at a transaction-pooling proxy (PgBouncer in transaction mode), which would hand the
+    lock to whichever client uses the server connection next."""
 
     def __init__(self, dsn: str) -> None:
         self._dsn = dsn
@@ -205,7 +222,9 @@ class _RunOwner:
         """A transaction on the owner session; lock the runs it makes ``syncing`` with ``hold``."""
         async with self._lock:
             if self._connection is None or self._connection.is_closed():
-                self._connection = await asyncpg.connect(self._dsn)
+                # The session sits idle while its runs sync: a server-wide idle_session_timeout
+                # would end it, and every healthy run it owns would be failed as ownerless.
+                self._connection = await connect_session(self._dsn)
             async with self._connection.transaction():
                 yield self._connection
 

@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 import asyncpg
 
-from ragstream.control.runs import CONNECTION_ERRORS, RagDisabled, SyncInProgress, SyncRun, SyncRunStore
+from ragstream.control.runs import (
+    CONNECTION_ERRORS,
+    RagDisabled,
+    SyncInProgress,
+    SyncRun,
+    SyncRunStore,
+    connect_session,
+)
 
 __all__ = ["SCHEDULER_LOCK", "Scheduler"]
 
@@ -78,7 +85,8 @@ class Scheduler:
         return enqueued
 
     async def _try_lead(self) -> None:
-        connection = await asyncpg.connect(self._dsn)
+        # Idle between steps: a server idle_session_timeout must not end the leadership.
+        connection = await connect_session(self._dsn)
         try:
             if await connection.fetchval("SELECT pg_try_advisory_lock($1)", SCHEDULER_LOCK):
                 self._lock = connection
