@@ -287,3 +287,33 @@ async def test_a_staged_version_that_failed_for_good_is_not_announced_again(runt
     pending = await runtime.store.pending_staged(connector.connection_id)
 
     assert set(pending) == set(staged) - {"a-01.md"}
+
+
+class DescendingFolder(CountingFolder):
+    """A connector that breaks the contract: it lists in descending external id order."""
+
+    async def list_items(self) -> AsyncIterator[SourceItem]:
+        items = [item async for item in super().list_items()]
+        for item in sorted(items, key=lambda item: item.external_id, reverse=True):
+            yield item
+
+
+async def test_a_listing_out_of_order_is_walked_in_full(
+    runtime: Runtime, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connection_id = CountingFolder(corpus).connection_id
+    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=False))).ok
+    cursors = runtime.store.cursors
+    await cursors.begin(connection_id, "download")
+    await cursors.advance(connection_id, "download", "a-05.md", 4)
+
+    disordered = DescendingFolder(corpus, versions=False)
+    report = await runtime.pipeline().sync(disordered)
+
+    # Nothing behind the cursor is trusted as walked: every document is read to compare its hash.
+    assert report.ok and report.progress.resumed
+    assert sorted(disordered.downloaded) == sorted([item.external_id async for item in disordered.list_items()])
+    assert "out of ascending id order" in caplog.text

@@ -4,6 +4,7 @@ changed and announce it; resume an interrupted walk from its cursor and the stag
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -13,10 +14,12 @@ from ragstream.connectors.base import Connector, DocumentVanished, SourceItem
 from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
-from ragstream.storage.cursors import Direction, SyncCursor
+from ragstream.storage.cursors import Direction
 from ragstream.storage.documents import CommittedDocument, DocumentStore, document_id
 
 __all__ = ["ChangeSink", "ConfiguredConnector", "FetchService", "SyncCounts"]
+
+logger = logging.getLogger(__name__)
 
 
 class ChangeSink(Protocol):
@@ -108,12 +111,26 @@ class FetchService:
         counts = SyncCounts(direction=walk.direction, resumed=resuming)
         listed: set[str] = set()
         written = time.monotonic()
+        # The cursor is a position in ascending external id order; a listing out of that order
+        # would make it skip items never walked, so from the first id out of order it is ignored
+        # (every item examined) and no longer moved.
+        resume_after, previous, ordered = walk.position, "", True
         async for item in self._connector.list_items():
             counts.seen += 1
+            if ordered and item.external_id < previous:
+                logger.warning(
+                    "connection %s lists %r after %r, out of ascending id order: its download cursor is"
+                    " ignored for the rest of this walk",
+                    connection_id,
+                    item.external_id,
+                    previous,
+                )
+                resume_after, ordered = None, False
+            previous = item.external_id
             downloaded = counts.downloaded
-            if await self._walk_item(item, walk, staged.get(item.external_id), committed, sink, counts):
+            if await self._walk_item(item, resume_after, staged.get(item.external_id), committed, sink, counts):
                 listed.add(item.external_id)
-            if counts.downloaded > downloaded or time.monotonic() - written >= _CURSOR_INTERVAL_S:
+            if ordered and (counts.downloaded > downloaded or time.monotonic() - written >= _CURSOR_INTERVAL_S):
                 await cursors.advance(connection_id, "download", item.external_id, counts.seen)
                 written = time.monotonic()
             if self._on_item:
@@ -134,7 +151,7 @@ class FetchService:
     async def _walk_item(
         self,
         item: SourceItem,
-        walk: SyncCursor,
+        resume_after: str | None,
         staged: DocumentHeader | None,
         committed: dict[str, CommittedDocument],
         sink: ChangeSink,
@@ -152,8 +169,8 @@ class FetchService:
                 return True
             # Changed since it was staged: download it again, wherever the cursor stands.
         elif (
-            walk.position is not None
-            and item.external_id <= walk.position
+            resume_after is not None
+            and item.external_id <= resume_after
             and item.source_version is None
             and (known := committed.get(item.external_id)) is not None
         ):
