@@ -97,20 +97,21 @@ async def test_an_interrupted_sync_resumes_without_downloading_again(
     assert staged_unindexed, "the interruption left no staged, unindexed document to resume"
     assert set(staged_unindexed) <= set(down.downloaded)
     # One staged document is edited while the sync is down: its cheap version tells, so it is downloaded
-    # again (a listing without versions cannot tell; its next sync compares the hash).
-    edited = min(staged_unindexed) if versions else None
-    if edited is not None:
-        (corpus / edited).write_text("# Edited\n\nChanged while the sync was down: orchidvault edited.\n")
+    # again. A listing without versions cannot tell: all it staged is downloaded again to compare.
+    edited = min(staged_unindexed)
+    (corpus / edited).write_text("# Edited\n\nChanged while the sync was down: orchidvault edited.\n")
+    redownloaded = {edited} if versions else set(staged_unindexed)
 
     again = CountingFolder(corpus, versions=versions)
     resumed = await runtime.pipeline().sync(again)
 
     assert resumed.ok, resumed.failures
     assert (resumed.progress.direction, resumed.progress.resumed) == ("backward", True)
-    # Nothing downloaded before the interruption is downloaded again (but the edit); the rest is, once.
-    assert set(again.downloaded) & set(down.downloaded) == ({edited} if edited else set())
+    # Nothing downloaded before the interruption is downloaded again (but what may have been edited);
+    # the rest is, once.
+    assert set(again.downloaded) & set(down.downloaded) == redownloaded
     listing = [item.external_id async for item in again.list_items()]
-    assert sorted(again.downloaded + down.downloaded) == sorted(listing + ([edited] if edited else []))
+    assert sorted(again.downloaded + down.downloaded) == sorted(listing + sorted(redownloaded))
     assert resumed.progress.indexed == DOCUMENTS - (7 - len(staged_unindexed))
     assert await runtime.store.pending_staged(connection_id) == {}
     for stage in ("download", "index"):

@@ -72,7 +72,8 @@ class FetchService:
 
     The walk keeps a ``download`` cursor (the last external id it finished). A sync that stopped
     midway leaves it unfinished, and the next one resumes it: what the stopped walk staged but never
-    indexed is announced again from the staging store, and committed items up to the cursor whose
+    indexed is announced again from the staging store (an item without a cheap version is downloaded
+    again first: it may have been edited meanwhile), and committed items up to the cursor whose
     listing has no cheap version are not downloaded again (their edits since are found by the next,
     forward walk). Everything else is examined as in any walk: new items, and items with a cheap
     version, whose comparison costs no download. The whole listing is still walked: it is cheap, and
@@ -159,15 +160,12 @@ class FetchService:
     ) -> bool:
         """Where one listed item goes; False when it vanished and must be treated as deleted."""
         if staged is not None:
-            if staged.source_version == item.source_version:
+            if item.source_version is not None and staged.source_version == item.source_version:
                 # Downloaded by the interrupted sync and not changed since: index it from staging.
-                header = self._header(item, staged.document_id, staged.version, staged.content_hash)
-                await sink.changed(DocumentChanged(header=header))
-                counts.changed += 1
-                counts.restaged += 1
-                counts.announced.append((header.document_id, header.version))
+                await self._restage(item, staged, sink, counts)
                 return True
-            # Changed since it was staged: download it again, wherever the cursor stands.
+            # Changed since it was staged, or without a cheap version to tell (it may have been edited
+            # while the sync was down): download it again, wherever the cursor stands.
         elif (
             resume_after is not None
             and item.external_id <= resume_after
@@ -181,7 +179,15 @@ class FetchService:
             await self._sync_acl(item, known, counts)
             counts.unchanged += 1
             return True
-        return await self._process(item, committed.get(item.external_id), sink, counts)
+        return await self._process(item, committed.get(item.external_id), sink, counts, staged)
+
+    async def _restage(self, item: SourceItem, staged: DocumentHeader, sink: ChangeSink, counts: SyncCounts) -> None:
+        """Announce the version an interrupted sync staged, from the staging store."""
+        header = self._header(item, staged.document_id, staged.version, staged.content_hash)
+        await sink.changed(DocumentChanged(header=header))
+        counts.changed += 1
+        counts.restaged += 1
+        counts.announced.append((header.document_id, header.version))
 
     async def _sync_acl(self, item: SourceItem, known: CommittedDocument, counts: SyncCounts) -> None:
         """Permissions changed: rewrite the chunks' ACL now, without re-reading or re-embedding.
@@ -192,9 +198,16 @@ class FetchService:
             counts.acl_updated += 1
 
     async def _process(
-        self, item: SourceItem, known: CommittedDocument | None, sink: ChangeSink, counts: SyncCounts
+        self,
+        item: SourceItem,
+        known: CommittedDocument | None,
+        sink: ChangeSink,
+        counts: SyncCounts,
+        staged: DocumentHeader | None = None,
     ) -> bool:
-        """Handle one listed item; False when it vanished and must be treated as deleted."""
+        """Handle one listed item; False when it vanished and must be treated as deleted. ``staged``:
+        the version an interrupted sync staged and never indexed, announced again if the bytes are
+        still the same rather than staged a second time."""
         if known:
             await self._sync_acl(item, known, counts)
         if known and item.source_version is not None and item.source_version == known.source_version:
@@ -221,6 +234,9 @@ class FetchService:
             # Same bytes, new mtime (a touch, a checkout): remember it so the next sync skips the read.
             await self._store.remember_source_version(known.document_id, item.source_version)
             counts.unchanged += 1
+            return True
+        if staged is not None and staged.content_hash == content_hash:
+            await self._restage(item, staged, sink, counts)
             return True
         header = self._header(item, header_id, await self._store.next_version(), content_hash)
         await self._store.stage(header, content)
