@@ -209,9 +209,12 @@ async def test_a_run_waits_for_a_document_a_stage_is_still_retrying(runtime: Run
     try:
         await record_retry(runtime.store, header, "embed", unavailable)
         assert await runs.downstream([announced]) == Downstream(indexed=0, failed=0, chunks=0)
+        # Still being retried: not a failed document in the connection's summary either.
+        assert await runs.sync_error(connection) is None
         await record_failure(runtime.store, header, "embed", classify(unavailable))
         given_up = await runs.downstream([announced])
         assert given_up == Downstream(indexed=0, failed=1, chunks=0) and given_up.settled(1)
+        assert await runs.sync_error(connection) == "1 document failed: 1 embedding_unavailable"
         assert not (await runs.downstream([announced, ("never-announced", 1)])).settled(2)
     finally:
         await runtime.pool.execute("DELETE FROM connections WHERE id = $1", connection)
