@@ -318,3 +318,14 @@ async def test_a_listing_out_of_order_is_walked_in_full(
     assert report.ok and report.progress.resumed
     assert sorted(disordered.downloaded) == sorted([item.external_id async for item in disordered.list_items()])
     assert "out of ascending id order" in caplog.text
+
+
+async def test_a_sync_of_an_empty_folder_records_its_direction(runtime: Runtime, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    first = await runtime.pipeline().sync(FolderConnector(empty))
+    second = await runtime.pipeline().sync(FolderConnector(empty))
+    assert [(report.progress.direction, report.progress.resumed) for report in (first, second)] == [
+        ("backward", False),
+        ("forward", False),
+    ]

@@ -150,8 +150,14 @@ class EmbeddedPipeline:
         # is only whether it completed (else the next sync announces what is staged again).
         index_walk = await cursors.begin(connection_id, "index")
 
+        async def announce(sink: ChangeSink) -> SyncCounts:
+            counts = await fetch.run(sink, index_unfinished=index_walk.resumed)
+            # Also when nothing was listed (an empty folder), which the per-item callback never sees.
+            progress.direction, progress.resumed = counts.direction, counts.resumed
+            return counts
+
         guard = EmbeddingGuard(self._max_unembedded_ratio, self._guard_min_chunks)
-        await self._drive(lambda sink: fetch.run(sink, index_unfinished=index_walk.resumed), progress, notify, guard)
+        await self._drive(announce, progress, notify, guard)
         await cursors.complete(connection_id, "index", progress.indexed)
         return SyncReport(connection_id, progress, await self._store.failures(connection_id))
 
