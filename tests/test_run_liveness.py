@@ -23,6 +23,7 @@ from ragstream.control.runs import OWNER_GONE, RunStatus, SyncInProgress, SyncRu
 from ragstream.control.scheduler import Scheduler
 from ragstream.storage.database import connect_pool
 from tests.support.connections import private_database
+from tests.support.run_owner import owner_locks
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +145,7 @@ async def test_a_dropped_owner_session_fails_the_run_and_its_runner_stops(
         again = await mine.start("wiki", "cli", running=True)
         assert await other.reap() == []
         assert await mine.finish(again.id, RunStatus.READY, None, again.counts, None) is not None
-        assert await pool.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2") == 0
+        assert await owner_locks(pool) == 0
     finally:
         await mine.aclose()
 
