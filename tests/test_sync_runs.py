@@ -260,6 +260,34 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
 
 
+class UnwritableProgressStore(SyncRunStore):
+    """Every progress write fails as on a dropped pool connection; starting and finishing work."""
+
+    def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
+        super().__init__(pool, dsn)
+        self.attempts = 0
+
+    async def progress(
+        self, run_id: int, counts: RunCounts, rate: float | None, eta_seconds: float | None, *, moved: bool
+    ) -> bool:
+        self.attempts += 1
+        raise asyncpg.InterfaceError("connection is closed")
+
+
+async def test_lost_progress_writes_do_not_fail_the_sync(shared: Runtime, corpus: Path) -> None:
+    for index in range(60):
+        (corpus / f"note-{index:02}.md").write_text(f"# Note {index}\n\nA note number {index} about mosses.\n")
+    runs = UnwritableProgressStore(shared.pool, shared.dsn)
+    try:
+        connection_id = await register_folder(shared.store, corpus)
+        run = await runs.start(connection_id, "cli", running=True)
+        outcome = await SyncRunner(runs, shared.pipeline, progress_interval_s=0.005).execute(run)
+        assert runs.attempts > 0
+        assert outcome.run is not None and (outcome.run.status, outcome.run.counts.indexed) == (RunStatus.READY, 60)
+    finally:
+        await runs.aclose()
+
+
 class HungPipeline:
     """A sync that never progresses, like a platform call that never answers."""
 

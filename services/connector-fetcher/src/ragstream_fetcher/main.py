@@ -36,7 +36,7 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.base import Connector
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import NoConnector, connector_for, register_folder
-from ragstream.control.runner import failure_reason
+from ragstream.control.runner import RunExecution, RunProgress, failure_reason
 from ragstream.control.runs import (
     CONNECTION_ERRORS,
     Downstream,
@@ -61,14 +61,6 @@ logger = logging.getLogger(__name__)
 
 # Seconds between looks for queued runs when nothing wakes the claimer earlier.
 _CLAIM_POLL_S = 5.0
-
-
-class _RunAbandoned(Exception):
-    """The run being executed is no longer syncing: it was failed elsewhere (stale, or its owner
-    session was lost) and a replacement may already be resuming its walk."""
-
-    def __init__(self, run_id: int) -> None:
-        super().__init__(f"sync run {run_id} is no longer syncing")
 
 
 class FetcherSettings(BaseSettings):
@@ -123,78 +115,56 @@ def create_app() -> FastAPI:
         )
 
     async def run_sync(connector: Connector, run: SyncRun) -> None:
+        """One run through the shared ``RunExecution`` (progress writes, a run failed elsewhere
+        stopping the walk, failed with a reason on any error or shutdown), as the embedded runner."""
         status = syncs[connector.connection_id]
-        runs = run_store()
-        started = last_write = time.monotonic()
-        latest = SyncCounts()
+        execution = RunExecution(run_store(), run, progress_interval_s=settings.sync_progress_interval_s)
+        started = time.monotonic()
 
         def rate(counts: SyncCounts, downstream: Downstream | None = None) -> float:
             """Items done per second: listed while announcing, then unchanged plus indexed or failed."""
             done = counts.seen if downstream is None else counts.unchanged + downstream.indexed + downstream.failed
             return done / max(time.monotonic() - started, 1e-9)
 
-        async def write(counts: RunCounts, per_second: float, eta: float | None, *, moved: bool) -> None:
-            """Write the run's progress. A lost write is not worth failing the sync for (the next one
-            catches up, as in the embedded runner); a run no longer syncing (failed elsewhere as stale
-            or ownerless, and maybe replaced) stops the sync, which must not move its cursor further."""
-            try:
-                still_running = await runs.progress(run.id, counts, per_second, eta, moved=moved)
-            except CONNECTION_ERRORS as error:
-                logger.warning("progress of sync run %s not written: %s", run.id, error)
-                return
-            if not still_running:
-                raise _RunAbandoned(run.id)
-
-        async def settle(counts: SyncCounts) -> Downstream:
-            """Wait until every announced change is committed by the indexer or given up on by a stage,
-            writing the run's progress meanwhile (the heartbeat moves only when those counts do, so a
-            stalled pipeline goes stale)."""
-            last: Downstream | None = None
-            while not (downstream := await runs.downstream(counts.announced)).settled(len(counts.announced)):
-                status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
-                done = downstream.indexed + downstream.failed
-                eta = (len(counts.announced) - done) / (done / (time.monotonic() - started)) if done else None
-                current = run_counts(counts, downstream, listing_done=True)
-                await write(current, rate(counts, downstream), eta, moved=downstream != last)
-                last = downstream
-                await asyncio.sleep(settings.sync_progress_interval_s)
-            return downstream
-
         async def observe(counts: SyncCounts) -> None:
-            nonlocal last_write, latest
-            latest = counts
             status.counts = asdict(counts) | {"announced": len(counts.announced)}
-            # Throttled like the embedded runner; every write here means the listing moved.
-            if time.monotonic() - last_write >= settings.sync_progress_interval_s:
-                last_write = time.monotonic()
-                await write(run_counts(counts), rate(counts), None, moved=True)
+            execution.progress = RunProgress(run_counts(counts), rate(counts))
 
-        try:
+        async def sync() -> tuple[SyncCounts, Downstream]:
+            """Announce every difference, then wait until the indexer has committed (or a stage has
+            given up on) each announced change, publishing the downstream counts meanwhile: the
+            heartbeat moves only when they do, so a stalled pipeline goes stale."""
             service = FetchService(
                 state["runtime"].store, connector, max_document_bytes=settings.max_document_bytes, on_item=observe
             )
             await service.register()
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
-            downstream = await settle(counts)
+            runs = run_store()
+            while not (downstream := await runs.downstream(counts.announced)).settled(len(counts.announced)):
+                status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
+                done = downstream.indexed + downstream.failed
+                eta = (len(counts.announced) - done) / (done / (time.monotonic() - started)) if done else None
+                current = run_counts(counts, downstream, listing_done=True)
+                execution.progress = RunProgress(current, rate(counts, downstream), eta)
+                await asyncio.sleep(settings.sync_progress_interval_s)
             status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
-            final = run_counts(counts, downstream, listing_done=True)
-            await runs.finish(run.id, RunStatus.READY, None, final, rate(counts, downstream))
-            status.state = "ready"
-        except _RunAbandoned:
-            logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
-            await runs.release(run.id)
-            ended = await runs.get(run.id)
-            status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
-        except asyncio.CancelledError:
-            await runs.finish(run.id, RunStatus.FAILED, "cancelled: the process stopped", run_counts(latest), None)
-            raise
-        except Exception as error:
-            status.state, status.error = "failed", failure_reason(error)
-            await runs.finish(run.id, RunStatus.FAILED, status.error, run_counts(latest), None)
-            raise
+            return counts, downstream
+
+        def final(done: tuple[SyncCounts, Downstream]) -> RunProgress:
+            counts, downstream = done
+            return RunProgress(run_counts(counts, downstream, listing_done=True), rate(counts, downstream))
+
+        try:
+            outcome = await execution.execute(sync(), final)
         finally:
             running.pop(connector.connection_id, None)
+        ended, completed = outcome
+        if completed is not None:
+            status.state = "ready"
+        else:
+            row = ended or await run_store().get(run.id)
+            status.state, status.error = "failed", row.reason if row is not None else "the run is gone"
 
     async def start_sync(folder: Path, trigger: Trigger) -> SyncStatus:
         try:
