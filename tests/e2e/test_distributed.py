@@ -258,7 +258,7 @@ async def test_dead_letters_replayed_once_their_cause_is_fixed(
         trigger_sync(services["connector-fetcher"], folder)
         # Ready once every document was dead-lettered: the run and the connection say so.
         assert (await failed_and_indexed(database_url, folder)) == (sources, set())
-        assert [run[1:] for run in await fetch_runs(database_url, folder)] == [("ready", 5, 5, 0, 0, 5)]
+        assert [run[1:] for run in await fetch_runs(database_url, folder)] == [("ready", 5, 5, 0, 0, 5, "backward")]
         assert await connection.fetchval("SELECT connection_sync_error($1)", connection_id) == (
             "5 documents failed: 5 ValueError"
         )
