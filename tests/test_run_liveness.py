@@ -23,6 +23,7 @@ from ragstream.control.runs import OWNER_GONE, RunStatus, SyncInProgress, SyncRu
 from ragstream.control.scheduler import Scheduler
 from ragstream.storage.database import connect_pool
 from tests.support.connections import private_database
+from tests.support.run_owner import owner_locks
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +145,7 @@ async def test_a_dropped_owner_session_fails_the_run_and_its_runner_stops(
         again = await mine.start("wiki", "cli", running=True)
         assert await other.reap() == []
         assert await mine.finish(again.id, RunStatus.READY, None, again.counts, None) is not None
-        assert await pool.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2") == 0
+        assert await owner_locks(pool) == 0
     finally:
         await mine.aclose()
 
@@ -182,3 +183,21 @@ async def test_status_and_scheduler_fail_an_ownerless_run(
                 await scheduler.stop()
         failed = await other.get(run.id)
         assert failed is not None and (failed.status, failed.reason) == (RunStatus.FAILED, OWNER_GONE), look
+
+
+async def test_an_idle_session_timeout_does_not_end_a_healthy_owner(
+    fresh_dsn: str, pool: asyncpg.Pool, other: SyncRunStore
+) -> None:
+    """The owner session is idle for the whole sync: a server's idle_session_timeout must not end it
+    and fail the run as ownerless."""
+    await pool.execute(
+        f"ALTER DATABASE {await pool.fetchval('SELECT current_database()')} SET idle_session_timeout = 200"
+    )
+    mine = SyncRunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
+    try:
+        run = await mine.start("wiki", "cli", running=True)
+        await asyncio.sleep(1.0)
+        assert await other.reap() == []
+        assert await mine.finish(run.id, RunStatus.READY, None, run.counts, None) is not None
+    finally:
+        await mine.aclose()

@@ -21,9 +21,9 @@ from ragstream.connectors.folder import FolderConnector
 from ragstream.control.runs import Downstream, SyncRunStore
 from ragstream.credentials import CredentialCipher
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
-from ragstream.failures import StageRetry, classify, record_failure, record_retry
+from ragstream.failures import StageFailure, StageRetry, classify, record_failure, record_retry
 from ragstream.kafka import create_broker, dead_letters, ensure_topics
-from ragstream.messages import DocumentHeader, Topic
+from ragstream.messages import ChunkPayload, DocumentHeader, Topic
 from ragstream.parsing import ParseError, ParseErrorCode
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.runtime import Runtime
@@ -180,9 +180,10 @@ async def test_a_kafka_stage_retries_before_it_dead_letters(runtime: Runtime, ka
         failures = {
             failure.source: (failure.code, failure.retry_count) for failure in await runtime.store.failures(connection)
         }
-        # healing's row stays until the indexer commits that version; it shows the two retries.
+        # healing's row stays until the indexer commits that version; it shows its two retries (the
+        # second, which succeeded, was announced by the row as under way).
         assert failures == {
-            "healing": ("embedding_unavailable", 1),
+            "healing": ("embedding_unavailable", 2),
             "outage": ("embedding_unavailable", 2),
             "binary": ("binary", 0),
         }
@@ -204,14 +205,41 @@ async def test_a_run_waits_for_a_document_a_stage_is_still_retrying(runtime: Run
     await runtime.store.ensure_connection(connection, "folder", connection, None)
     runs = SyncRunStore(runtime.pool, runtime.dsn)
     header = _header(connection, "retried")
-    since = await runtime.pool.fetchval("SELECT now()")
+    announced = (header.document_id, header.version)
     unavailable = EmbeddingError("provider unavailable (503)", retryable=True, provider="test")
     try:
         await record_retry(runtime.store, header, "embed", unavailable)
-        assert await runs.downstream([header.document_id], since) == Downstream(indexed=0, failed=0, chunks=0)
+        assert await runs.downstream([announced]) == Downstream(indexed=0, failed=0, chunks=0)
+        # Still being retried: not a failed document in the connection's summary either.
+        assert await runs.sync_error(connection) is None
         await record_failure(runtime.store, header, "embed", classify(unavailable))
-        given_up = await runs.downstream([header.document_id], since)
+        given_up = await runs.downstream([announced])
         assert given_up == Downstream(indexed=0, failed=1, chunks=0) and given_up.settled(1)
-        assert not (await runs.downstream([header.document_id, "never-announced"], since)).settled(2)
+        assert await runs.sync_error(connection) == "1 document failed: 1 embedding_unavailable"
+        assert not (await runs.downstream([announced, ("never-announced", 1)])).settled(2)
+    finally:
+        await runtime.pool.execute("DELETE FROM connections WHERE id = $1", connection)
+
+
+async def test_a_run_does_not_settle_on_an_older_version_still_in_flight(runtime: Runtime) -> None:
+    """A killed earlier run left an older version of the document in flight: it commits (or fails
+    for good) after this run began, but only the announced version or a newer one settles the run."""
+    connection = f"settle-{uuid.uuid4().hex[:8]}"
+    await runtime.store.ensure_connection(connection, "folder", connection, None)
+    runs = SyncRunStore(runtime.pool, runtime.dsn)
+    older = _header(connection, "in-flight").model_copy(update={"version": await runtime.store.next_version()})
+    announced = older.model_copy(update={"version": await runtime.store.next_version()})
+    chunks = [ChunkPayload(ordinal=0, heading="in-flight", text="A page committed by two runs.")]
+    vectors = await runtime.embedder.embed([chunks[0].text])
+    pending = Downstream(indexed=0, failed=0, chunks=0)
+    try:
+        await record_failure(runtime.store, older, "parse", StageFailure("binary", "binary", retryable=False))
+        assert await runs.downstream([(announced.document_id, announced.version)]) == pending
+        await runtime.store.commit_document(older, chunks, vectors, runtime.embedder.model_key)
+        assert await runs.downstream([(announced.document_id, announced.version)]) == pending
+        await runtime.store.commit_document(announced, chunks, vectors, runtime.embedder.model_key)
+        assert await runs.downstream([(announced.document_id, announced.version)]) == Downstream(
+            indexed=1, failed=0, chunks=1
+        )
     finally:
         await runtime.pool.execute("DELETE FROM connections WHERE id = $1", connection)

@@ -17,6 +17,7 @@ from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import RunStatus, SyncRunStore
+from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted
 from ragstream.pipeline import SyncProgress
 from ragstream.runtime import Runtime
@@ -96,20 +97,21 @@ async def test_an_interrupted_sync_resumes_without_downloading_again(
     assert staged_unindexed, "the interruption left no staged, unindexed document to resume"
     assert set(staged_unindexed) <= set(down.downloaded)
     # One staged document is edited while the sync is down: its cheap version tells, so it is downloaded
-    # again (a listing without versions cannot tell; its next sync compares the hash).
-    edited = min(staged_unindexed) if versions else None
-    if edited is not None:
-        (corpus / edited).write_text("# Edited\n\nChanged while the sync was down: orchidvault edited.\n")
+    # again. A listing without versions cannot tell: all it staged is downloaded again to compare.
+    edited = min(staged_unindexed)
+    (corpus / edited).write_text("# Edited\n\nChanged while the sync was down: orchidvault edited.\n")
+    redownloaded = {edited} if versions else set(staged_unindexed)
 
     again = CountingFolder(corpus, versions=versions)
     resumed = await runtime.pipeline().sync(again)
 
     assert resumed.ok, resumed.failures
     assert (resumed.progress.direction, resumed.progress.resumed) == ("backward", True)
-    # Nothing downloaded before the interruption is downloaded again (but the edit); the rest is, once.
-    assert set(again.downloaded) & set(down.downloaded) == ({edited} if edited else set())
+    # Nothing downloaded before the interruption is downloaded again (but what may have been edited);
+    # the rest is, once.
+    assert set(again.downloaded) & set(down.downloaded) == redownloaded
     listing = [item.external_id async for item in again.list_items()]
-    assert sorted(again.downloaded + down.downloaded) == sorted(listing + ([edited] if edited else []))
+    assert sorted(again.downloaded + down.downloaded) == sorted(listing + sorted(redownloaded))
     assert resumed.progress.indexed == DOCUMENTS - (7 - len(staged_unindexed))
     assert await runtime.store.pending_staged(connection_id) == {}
     for stage in ("download", "index"):
@@ -234,3 +236,96 @@ async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime
         assert {document: committed[document] for document in staged_first} == staged_first
     finally:
         await runs.aclose()
+
+
+@pytest.mark.parametrize("versions", [True, False], ids=["versioned", "versionless"])
+async def test_a_resumed_walk_examines_what_changed_behind_its_cursor(
+    runtime: Runtime, tmp_path: Path, versions: bool
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connection_id = CountingFolder(corpus).connection_id
+    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=versions))).ok
+    # A forward walk stopped after "a-10.md": the next sync resumes it.
+    cursors = runtime.store.cursors
+    await cursors.begin(connection_id, "download")
+    await cursors.advance(connection_id, "download", "a-10.md", 7)
+    # Meanwhile, behind the cursor: a committed document is edited and a new one appears.
+    (corpus / "a-01.md").write_text("# Doc 1\n\nEdited behind the cursor: orchidvault moved.\n")
+    (corpus / "a-00.md").write_text("# New\n\nA new orchidvault page behind the cursor.\n")
+
+    again = CountingFolder(corpus, versions=versions)
+    report = await runtime.pipeline().sync(again)
+
+    assert report.ok and report.progress.resumed
+    # The new document is never skipped; the edit is found by its cheap version, with no other
+    # download behind the cursor. Without versions the committed documents there are not read again.
+    expected = ["a-00.md", "a-01.md"] if versions else ["a-00.md"]
+    assert [external_id for external_id in again.downloaded if external_id <= "a-10.md"] == expected
+    assert report.progress.indexed == len(expected)
+    indexed = {source for source, *_ in await index_of(runtime, connection_id)}
+    assert "a-00.md" in indexed
+
+
+async def test_a_staged_version_that_failed_for_good_is_not_announced_again(runtime: Runtime, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connector = CountingFolder(corpus)
+    fetch = FetchService(runtime.store, connector, max_document_bytes=runtime.settings.max_document_bytes)
+    await fetch.register()
+    await fetch.run(LostQueue())  # everything staged, nothing indexed
+    staged = await runtime.store.pending_staged(connector.connection_id)
+    assert len(staged) == DOCUMENTS
+    # One version failed for good (a parser rejected it); another failed for now, and was given up on.
+    rejected, unavailable = staged["a-01.md"], staged["a-02.md"]
+    await record_failure(runtime.store, rejected, "parse", StageFailure("binary", "not text", retryable=False))
+    await record_failure(
+        runtime.store, unavailable, "embed", StageFailure("embedding_unavailable", "503", retryable=True)
+    )
+
+    pending = await runtime.store.pending_staged(connector.connection_id)
+
+    assert set(pending) == set(staged) - {"a-01.md"}
+
+
+class DescendingFolder(CountingFolder):
+    """A connector that breaks the contract: it lists in descending external id order."""
+
+    async def list_items(self) -> AsyncIterator[SourceItem]:
+        items = [item async for item in super().list_items()]
+        for item in sorted(items, key=lambda item: item.external_id, reverse=True):
+            yield item
+
+
+async def test_a_listing_out_of_order_is_walked_in_full(
+    runtime: Runtime, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connection_id = CountingFolder(corpus).connection_id
+    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=False))).ok
+    cursors = runtime.store.cursors
+    await cursors.begin(connection_id, "download")
+    await cursors.advance(connection_id, "download", "a-05.md", 4)
+
+    disordered = DescendingFolder(corpus, versions=False)
+    report = await runtime.pipeline().sync(disordered)
+
+    # Nothing behind the cursor is trusted as walked: every document is read to compare its hash.
+    assert report.ok and report.progress.resumed
+    assert sorted(disordered.downloaded) == sorted([item.external_id async for item in disordered.list_items()])
+    assert "out of ascending id order" in caplog.text
+
+
+async def test_a_sync_of_an_empty_folder_records_its_direction(runtime: Runtime, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    first = await runtime.pipeline().sync(FolderConnector(empty))
+    second = await runtime.pipeline().sync(FolderConnector(empty))
+    assert [(report.progress.direction, report.progress.resumed) for report in (first, second)] == [
+        ("backward", False),
+        ("forward", False),
+    ]

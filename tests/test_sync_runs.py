@@ -26,6 +26,7 @@ from ragstream.runtime import Runtime
 from ragstream.stages.embed import EmbedService
 from ragstream.storage.database import connect_pool
 from tests.support.connections import private_database
+from tests.support.run_owner import owner_locks
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +66,17 @@ async def shared(runtime: Runtime) -> AsyncIterator[Runtime]:
     await runtime.pool.execute("DELETE FROM connections WHERE NOT (id = ANY($1::text[]))", before)
 
 
+@pytest.fixture
+async def shared_runs(shared: Runtime) -> AsyncIterator[SyncRunStore]:
+    """A store over the session's runtime, closed even when its test fails: an owner session left
+    open would keep its runs' locks for the rest of the test session."""
+    store = SyncRunStore(shared.pool, shared.dsn)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
 async def add_connection(pool: asyncpg.Pool, connection_id: str, platform: str = "folder", **columns: object) -> None:
     await pool.execute("INSERT INTO connections (id, platform, name) VALUES ($1, $2, $1)", connection_id, platform)
     for column, value in columns.items():
@@ -97,8 +109,7 @@ async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool, runs:
     assert await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id = 'direct-only'") == 0
 
 
-async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool, fresh_dsn: str) -> None:
-    runs = SyncRunStore(pool, fresh_dsn, stale_timeout_s=1800)
+async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
     await add_connection(pool, "wiki")
     old = await runs.start("wiki", "api")
     assert await runs.claim(2) is not None
@@ -118,7 +129,6 @@ async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg
     assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'wiki'") == failed.reason
     # The stale run's process finishing late does not revive it.
     assert await runs.finish(old.id, RunStatus.READY, None, RunCounts(), None) is None
-    await runs.aclose()
 
 
 async def test_runs_over_the_concurrency_limit_stay_queued(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
@@ -147,8 +157,8 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
     await add_connection(pool, "disabled", status="disabled")
     await add_connection(pool, "manual", schedule_seconds=0)
     other_pool = await connect_pool(fresh_dsn)
-    leader = Scheduler(fresh_dsn, SyncRunStore(pool, fresh_dsn))
-    follower = Scheduler(fresh_dsn, SyncRunStore(other_pool, fresh_dsn))
+    stores = [SyncRunStore(pool, fresh_dsn), SyncRunStore(other_pool, fresh_dsn)]
+    leader, follower = (Scheduler(fresh_dsn, store) for store in stores)
     try:
         enqueued = await leader.step()
         assert [run.connection_id for run in enqueued] == ["due"]
@@ -158,8 +168,10 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
         assert (leader.is_leader, follower.is_leader) == (True, False)
         assert [run.connection_id for run in await leader.step()] == ["later"]
 
+        # Only this database's leader: other tests' databases on the server have one too.
         await pool.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objid = $1",
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND objid = $1",
             SCHEDULER_LOCK,
         )
         await add_connection(pool, "after")
@@ -174,6 +186,8 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
     finally:
         await leader.stop()
         await follower.stop()
+        for store in stores:
+            await store.aclose()
         await other_pool.close()
     assert (
         await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id IN ('off', 'disabled', 'manual')") == 0
@@ -205,10 +219,21 @@ class RecordingRunStore(SyncRunStore):
         return written
 
 
-async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, corpus: Path) -> None:
+@pytest.fixture
+async def recording_runs(shared: Runtime) -> AsyncIterator[RecordingRunStore]:
+    store = RecordingRunStore(shared.pool, shared.dsn)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def test_a_folder_sync_writes_progress_then_ends_ready(
+    shared: Runtime, corpus: Path, recording_runs: RecordingRunStore
+) -> None:
     for index in range(300):
         (corpus / f"note-{index:03}.md").write_text(f"# Note {index}\n\nSmall note number {index} about ferns.\n")
-    runs = RecordingRunStore(shared.pool, shared.dsn)
+    runs = recording_runs
     connection_id = await register_folder(shared.store, corpus)
     run = await runs.start(connection_id, "cli", running=True)
     assert run.status is RunStatus.SYNCING
@@ -233,7 +258,34 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(shared: Runtime, co
     assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)
     assert set(runs.statuses) == {"syncing"}
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
-    await runs.aclose()
+
+
+class UnwritableProgressStore(SyncRunStore):
+    """Every progress write fails as on a dropped pool connection; starting and finishing work."""
+
+    def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
+        super().__init__(pool, dsn)
+        self.attempts = 0
+
+    async def progress(
+        self, run_id: int, counts: RunCounts, rate: float | None, eta_seconds: float | None, *, moved: bool
+    ) -> bool:
+        self.attempts += 1
+        raise asyncpg.InterfaceError("connection is closed")
+
+
+async def test_lost_progress_writes_do_not_fail_the_sync(shared: Runtime, corpus: Path) -> None:
+    for index in range(60):
+        (corpus / f"note-{index:02}.md").write_text(f"# Note {index}\n\nA note number {index} about mosses.\n")
+    runs = UnwritableProgressStore(shared.pool, shared.dsn)
+    try:
+        connection_id = await register_folder(shared.store, corpus)
+        run = await runs.start(connection_id, "cli", running=True)
+        outcome = await SyncRunner(runs, shared.pipeline, progress_interval_s=0.005).execute(run)
+        assert runs.attempts > 0
+        assert outcome.run is not None and (outcome.run.status, outcome.run.counts.indexed) == (RunStatus.READY, 60)
+    finally:
+        await runs.aclose()
 
 
 class HungPipeline:
@@ -243,8 +295,10 @@ class HungPipeline:
         await asyncio.Event().wait()
 
 
-async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: Runtime, corpus: Path) -> None:
-    runs = RecordingRunStore(shared.pool, shared.dsn)
+async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(
+    shared: Runtime, corpus: Path, recording_runs: RecordingRunStore
+) -> None:
+    runs = recording_runs
     connection_id = await register_folder(shared.store, corpus)
     runner = SyncRunner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
     hung = await runs.start(connection_id, "api", running=True)
@@ -260,9 +314,8 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: 
     assert outcome.run is None and outcome.report is None
     stale = await runs.get(hung.id)
     assert stale is not None and stale.status is RunStatus.FAILED and (stale.reason or "").startswith("stale: ")
-    owner_locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND objid::bigint = $1"
-    assert await shared.pool.fetchval(owner_locks, hung.id) == 0  # released, not kept until the process ends
-    assert await shared.pool.fetchval(owner_locks, replacement.id) == 1
+    assert await owner_locks(shared.pool, hung.id) == 0  # released, not kept until the process ends
+    assert await owner_locks(shared.pool, replacement.id) == 1
 
     task = asyncio.create_task(runner.execute(replacement))
     await runs.written(len(runs.writes) + 1)
@@ -272,11 +325,12 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(shared: 
     cancelled = await runs.get(replacement.id)
     assert cancelled is not None
     assert (cancelled.status, cancelled.reason) == (RunStatus.FAILED, "cancelled: the process stopped")
-    await runs.aclose()
 
 
-async def test_a_failing_connector_fails_the_run_with_its_reason(shared: Runtime, tmp_path: Path) -> None:
-    runs = SyncRunStore(shared.pool, shared.dsn)
+async def test_a_failing_connector_fails_the_run_with_its_reason(
+    shared: Runtime, tmp_path: Path, shared_runs: SyncRunStore
+) -> None:
+    runs = shared_runs
     runner = SyncRunner(runs, shared.pipeline)
     platform_id = f"feishu-{uuid.uuid4().hex[:8]}"
     await shared.store.ensure_connection(platform_id, "feishu", "Team wiki")
@@ -295,7 +349,6 @@ async def test_a_failing_connector_fails_the_run_with_its_reason(shared: Runtime
         assert (outcome.run.status, outcome.run.reason) == (RunStatus.FAILED, reason)
         assert await runs.active(connection_id) is None
         assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == reason
-    await runs.aclose()
 
 
 class FlakyEmbedder:
@@ -325,10 +378,12 @@ class FlakyEmbedder:
         """The inner embedder belongs to the runtime."""
 
 
-async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(shared: Runtime, corpus: Path) -> None:
+async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(
+    shared: Runtime, corpus: Path, shared_runs: SyncRunStore
+) -> None:
     for index in range(36):
         (corpus / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nThe heronwick ledger entry {index} is filed.\n")
-    runs = SyncRunStore(shared.pool, shared.dsn)
+    runs = shared_runs
     connection_id = await register_folder(shared.store, corpus)
     first = await SyncRunner(runs, shared.pipeline).execute(await runs.start(connection_id, "cli", running=True))
     assert first.run is not None and first.run.status is RunStatus.READY
@@ -372,17 +427,16 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(s
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == (
         failed.reason
     )
-    await runs.aclose()
 
 
 async def ready() -> bool:
     return True
 
 
-async def test_the_sync_routes(shared: Runtime, corpus: Path) -> None:
+async def test_the_sync_routes(shared: Runtime, corpus: Path, shared_runs: SyncRunStore) -> None:
     (corpus / "a.md").write_text("# A\n\nText.\n")
     connection_id = await register_folder(shared.store, corpus)
-    runs = SyncRunStore(shared.pool, shared.dsn)
+    runs = shared_runs
     woken: list[bool] = []
     app = create_app(
         lambda: shared.retriever, ready=ready, routers=[sync_router(lambda: runs, lambda: woken.append(True))]
@@ -408,4 +462,3 @@ async def test_the_sync_routes(shared: Runtime, corpus: Path) -> None:
         assert (status["progress"]["listed"], status["progress"]["failed"], status["progress"]["rate"]) == (1, 1, 0.5)
         listed = (await client.get(f"/v1/connections/{connection_id}/syncs")).json()
         assert [run["id"] for run in listed] == [started.json()["id"]]
-    await runs.aclose()

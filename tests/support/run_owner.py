@@ -9,10 +9,25 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from ragstream.control.runs import SyncRunStore
+import asyncpg
+
+from ragstream.control.runs import OWNER_LOCK, SyncRunStore
 from ragstream.storage.database import connect_pool
 
-__all__ = ["main"]
+__all__ = ["main", "owner_locks"]
+
+
+async def owner_locks(pool: asyncpg.Pool, run_id: int | None = None) -> int:
+    """How many run owner locks (of one run, or all) are held in the pool's database. pg_locks lists
+    every database of the server, and other advisory locks use two keys too: both are filtered."""
+    count = await pool.fetchval(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " AND classid::bigint = $1 AND ($2::bigint IS NULL OR objid::bigint = $2 % 2147483648)",
+        OWNER_LOCK,
+        run_id,
+    )
+    return int(count)
 
 
 async def main(dsn: str, connection_id: str) -> None:

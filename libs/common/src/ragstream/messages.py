@@ -174,7 +174,11 @@ class DeadLetter(_Message):
     message: Annotated[str, Field(title="Human-readable reason")]
     retryable: Annotated[bool, Field(title="Whether a later retry may succeed")]
     retry_count: Annotated[
-        int, Field(title="Retries of this version so far", description="In-stage retries and replays.")
+        int,
+        Field(
+            title="Retries of this version so far",
+            description="In-stage retries and replays made, before this failure was recorded for good.",
+        ),
     ]
 
 

@@ -146,15 +146,18 @@ class EmbeddedPipeline:
         cursors = self._store.cursors
         fetch = FetchService(self._store, connector, max_document_bytes=self._max_bytes, on_item=listed)
         await fetch.register()
+        # The index walk has no position: its workers finish documents in any order, and what matters
+        # is only whether it completed (else the next sync announces what is staged again).
         index_walk = await cursors.begin(connection_id, "index")
 
-        async def indexed(message: DocumentChanged) -> None:
-            await cursors.advance(connection_id, "index", str(message.header.version), progress.indexed)
+        async def announce(sink: ChangeSink) -> SyncCounts:
+            counts = await fetch.run(sink, index_unfinished=index_walk.resumed)
+            # Also when nothing was listed (an empty folder), which the per-item callback never sees.
+            progress.direction, progress.resumed = counts.direction, counts.resumed
+            return counts
 
         guard = EmbeddingGuard(self._max_unembedded_ratio, self._guard_min_chunks)
-        await self._drive(
-            lambda sink: fetch.run(sink, index_unfinished=index_walk.resumed), progress, notify, guard, indexed
-        )
+        await self._drive(announce, progress, notify, guard)
         await cursors.complete(connection_id, "index", progress.indexed)
         return SyncReport(connection_id, progress, await self._store.failures(connection_id))
 
@@ -181,7 +184,6 @@ class EmbeddedPipeline:
         progress: SyncProgress,
         notify: Callable[[SyncProgress], None],
         guard: EmbeddingGuard,
-        on_indexed: Callable[[DocumentChanged], Awaitable[None]] | None = None,
     ) -> _Counts:
         """Run ``announce`` into a bounded queue that the workers drain; deletions go last."""
         queue: asyncio.Queue[DocumentChanged | DocumentDeleted | None] = asyncio.Queue(maxsize=self._workers * 4)
@@ -191,7 +193,7 @@ class EmbeddedPipeline:
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(self._workers):
-                    group.create_task(self._work(queue, progress, notify, guard, on_indexed))
+                    group.create_task(self._work(queue, progress, notify, guard))
                 counts = await announce(sink)
                 progress.listing_done = True
                 await queue.join()
@@ -211,7 +213,6 @@ class EmbeddedPipeline:
         progress: SyncProgress,
         notify: Callable[[SyncProgress], None],
         guard: EmbeddingGuard,
-        on_indexed: Callable[[DocumentChanged], Awaitable[None]] | None,
     ) -> None:
         while (message := await queue.get()) is not None:
             if isinstance(message, DocumentDeleted):
@@ -219,8 +220,6 @@ class EmbeddedPipeline:
                     progress.deleted += 1
             elif await self._index(message, progress, guard):
                 progress.indexed += 1
-                if on_indexed is not None:
-                    await on_indexed(message)
             else:
                 progress.failed_processing += 1
             notify(progress)

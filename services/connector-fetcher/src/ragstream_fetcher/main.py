@@ -27,7 +27,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
-import asyncpg
 from fastapi import FastAPI, HTTPException, Response
 from prometheus_client import make_asgi_app
 from pydantic import BaseModel, Field
@@ -37,8 +36,9 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.base import Connector
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import NoConnector, connector_for, register_folder
-from ragstream.control.runner import failure_reason
+from ragstream.control.runner import RunExecution, RunProgress, failure_reason
 from ragstream.control.runs import (
+    CONNECTION_ERRORS,
     Downstream,
     RagDisabled,
     RunCounts,
@@ -115,69 +115,56 @@ def create_app() -> FastAPI:
         )
 
     async def run_sync(connector: Connector, run: SyncRun) -> None:
+        """One run through the shared ``RunExecution`` (progress writes, a run failed elsewhere
+        stopping the walk, failed with a reason on any error or shutdown), as the embedded runner."""
         status = syncs[connector.connection_id]
-        runs = run_store()
-        started = last_write = time.monotonic()
-        latest = SyncCounts()
+        execution = RunExecution(run_store(), run, progress_interval_s=settings.sync_progress_interval_s)
+        started = time.monotonic()
 
         def rate(counts: SyncCounts, downstream: Downstream | None = None) -> float:
             """Items done per second: listed while announcing, then unchanged plus indexed or failed."""
             done = counts.seen if downstream is None else counts.unchanged + downstream.indexed + downstream.failed
             return done / max(time.monotonic() - started, 1e-9)
 
-        async def settle(counts: SyncCounts) -> Downstream | None:
-            """Wait until every announced change is committed by the indexer or given up on by a stage,
-            writing the run's progress meanwhile (the heartbeat moves only when those counts do, so a
-            stalled pipeline goes stale). None when the run stopped being this sync's (failed elsewhere
-            as stale or ownerless)."""
-            since = run.started_at or run.created_at
-            last: Downstream | None = None
-            while not (downstream := await runs.downstream(counts.changed_ids, since)).settled(len(counts.changed_ids)):
-                status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
-                done = downstream.indexed + downstream.failed
-                eta = (len(counts.changed_ids) - done) / (done / (time.monotonic() - started)) if done else None
-                current = run_counts(counts, downstream, listing_done=True)
-                if not await runs.progress(run.id, current, rate(counts, downstream), eta, moved=downstream != last):
-                    return None
-                last = downstream
-                await asyncio.sleep(settings.sync_progress_interval_s)
-            return downstream
-
         async def observe(counts: SyncCounts) -> None:
-            nonlocal last_write, latest
-            latest = counts
-            status.counts = asdict(counts) | {"changed_ids": len(counts.changed_ids)}
-            # Throttled like the embedded runner; every write here means the listing moved.
-            if time.monotonic() - last_write >= settings.sync_progress_interval_s:
-                await runs.progress(run.id, run_counts(counts), rate(counts), None, moved=True)
-                last_write = time.monotonic()
+            status.counts = asdict(counts) | {"announced": len(counts.announced)}
+            execution.progress = RunProgress(run_counts(counts), rate(counts))
 
-        try:
+        async def sync() -> tuple[SyncCounts, Downstream]:
+            """Announce every difference, then wait until the indexer has committed (or a stage has
+            given up on) each announced change, publishing the downstream counts meanwhile: the
+            heartbeat moves only when they do, so a stalled pipeline goes stale."""
             service = FetchService(
                 state["runtime"].store, connector, max_document_bytes=settings.max_document_bytes, on_item=observe
             )
             await service.register()
             counts = await service.run(KafkaChangeSink(broker))
             await observe(counts)
-            downstream = await settle(counts)
-            if downstream is None:
-                await runs.release(run.id)
-                ended = await runs.get(run.id)
-                status.state, status.error = "failed", ended.reason if ended is not None else "the run is gone"
-                return
+            runs = run_store()
+            while not (downstream := await runs.downstream(counts.announced)).settled(len(counts.announced)):
+                status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
+                done = downstream.indexed + downstream.failed
+                eta = (len(counts.announced) - done) / (done / (time.monotonic() - started)) if done else None
+                current = run_counts(counts, downstream, listing_done=True)
+                execution.progress = RunProgress(current, rate(counts, downstream), eta)
+                await asyncio.sleep(settings.sync_progress_interval_s)
             status.counts |= {"indexed": downstream.indexed, "failed_downstream": downstream.failed}
-            final = run_counts(counts, downstream, listing_done=True)
-            await runs.finish(run.id, RunStatus.READY, None, final, rate(counts, downstream))
-            status.state = "ready"
-        except asyncio.CancelledError:
-            await runs.finish(run.id, RunStatus.FAILED, "cancelled: the process stopped", run_counts(latest), None)
-            raise
-        except Exception as error:
-            status.state, status.error = "failed", failure_reason(error)
-            await runs.finish(run.id, RunStatus.FAILED, status.error, run_counts(latest), None)
-            raise
+            return counts, downstream
+
+        def final(done: tuple[SyncCounts, Downstream]) -> RunProgress:
+            counts, downstream = done
+            return RunProgress(run_counts(counts, downstream, listing_done=True), rate(counts, downstream))
+
+        try:
+            outcome = await execution.execute(sync(), final)
         finally:
             running.pop(connector.connection_id, None)
+        ended, completed = outcome
+        if completed is not None:
+            status.state = "ready"
+        else:
+            row = ended or await run_store().get(run.id)
+            status.state, status.error = "failed", row.reason if row is not None else "the run is gone"
 
     async def start_sync(folder: Path, trigger: Trigger) -> SyncStatus:
         try:
@@ -195,15 +182,22 @@ def create_app() -> FastAPI:
         return syncs[connector.connection_id]
 
     async def launch(run: SyncRun) -> None:
-        """Run a claimed run of any connection the fetcher has a connector for."""
+        """Run a claimed run of any connection the fetcher has a connector for. A run that cannot
+        start (no connector, a folder gone, the database failing) ends failed at once: it is owned by
+        this process, so left syncing it would block the connection until the stale timeout."""
         runs = run_store()
-        row = await runs.connection(run.connection_id)
         try:
+            row = await runs.connection(run.connection_id)
             if row is None:
                 raise NoConnector(f"connection {run.connection_id} no longer exists")
             connector = connector_for(row)
-        except NoConnector as error:
-            await runs.finish(run.id, RunStatus.FAILED, str(error), RunCounts(), None)
+        except Exception as error:
+            logger.warning("sync run %s of %s cannot start", run.id, run.connection_id, exc_info=True)
+            try:
+                await runs.finish(run.id, RunStatus.FAILED, failure_reason(error), RunCounts(), None)
+            finally:
+                # If finish could not write, the run is left ownerless, and any reap fails it.
+                await runs.release(run.id)
             return
         syncs[run.connection_id] = SyncStatus(connection_id=run.connection_id, state="syncing", counts={})
         running[run.connection_id] = asyncio.create_task(run_sync(connector, run))
@@ -218,7 +212,7 @@ def create_app() -> FastAPI:
                 await runs.reap()
                 while (run := await runs.claim(settings.max_concurrent_syncs)) is not None:
                     await launch(run)
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+            except CONNECTION_ERRORS as error:
                 logger.warning("claiming sync runs failed, retrying: %s", error)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), _CLAIM_POLL_S)

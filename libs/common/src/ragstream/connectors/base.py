@@ -50,7 +50,8 @@ class Connector(Protocol):
 
     def list_items(self) -> AsyncIterator[SourceItem]:
         """Every document at the origin, with version info that costs nothing to read, in ascending
-        ``external_id`` order: an interrupted walk resumes after the last id it finished."""
+        ``external_id`` order: an interrupted walk resumes after the last id it finished. A listing
+        found out of order is walked in full, as if no walk had been interrupted (and logged)."""
         ...
 
     async def fetch(self, item: SourceItem) -> bytes:

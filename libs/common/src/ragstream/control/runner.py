@@ -1,5 +1,8 @@
 """Runs claimed sync runs through the embedded pipeline and writes their progress back.
 
+``RunExecution`` is the part the connector-fetcher shares: how a run this process owns is executed,
+its progress written, stopped when failed elsewhere, and ended.
+
 A run never stays ``syncing`` because of this process: every exception, and a shutdown, ends it
 ``failed`` with a reason. The heartbeat only moves when the counters move, so a sync that hangs
 (a platform call that never answers) goes stale and another start can replace it.
@@ -10,19 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import asyncpg
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ragstream.connectors.registry import NoConnector, connector_for
-from ragstream.control.runs import RunCounts, RunStatus, SyncRun, SyncRunStore
+from ragstream.control.runs import CONNECTION_ERRORS, RunCounts, RunStatus, SyncRun, SyncRunStore
 from ragstream.degradation import EmbeddingDegraded
 from ragstream.pipeline import EmbeddedPipeline, SyncProgress, SyncReport
 
-__all__ = ["RunOutcome", "SyncRunner", "failure_reason"]
+__all__ = ["RunExecution", "RunOutcome", "RunProgress", "SyncRunner", "failure_reason"]
 
 logger = logging.getLogger(__name__)
+
+_Result = TypeVar("_Result")
 
 
 def failure_reason(error: BaseException) -> str:
@@ -64,12 +68,89 @@ class RunOutcome:
     report: SyncReport | None
 
 
-class _Tracker:
-    """The latest progress of one run, shared by the pipeline's callback and the progress writer."""
+@dataclass(frozen=True, slots=True)
+class RunProgress:
+    """What one progress write of a run carries."""
 
-    def __init__(self) -> None:
-        self.progress = SyncProgress()
-        self.abandoned = False
+    counts: RunCounts = field(default_factory=RunCounts)
+    rate: float | None = None
+    eta_seconds: float | None = None
+
+
+class RunExecution:
+    """One claimed (syncing) run that this process executes, to ready or failed: shared by the
+    embedded runner and the connector-fetcher, whose work differs (a pipeline sync; a fetch that then
+    waits for the Kafka stages) but whose run must end the same way.
+
+    The work publishes its latest ``progress``; every ``progress_interval_s`` it is written, the
+    heartbeat moving only when the counts did (so a hung sync goes stale). A lost write is not worth
+    failing the sync for. A write that finds the run no longer syncing (failed elsewhere as stale or
+    ownerless, maybe replaced already) cancels the work, which must not go on moving the cursors a
+    replacement resumes, and releases the run's owner lock. Every exception, and a shutdown, ends the
+    run failed with a reason: the run never stays syncing because of this process."""
+
+    def __init__(self, runs: SyncRunStore, run: SyncRun, *, progress_interval_s: float) -> None:
+        self.run = run
+        self.progress = RunProgress()
+        self._runs = runs
+        self._interval_s = progress_interval_s
+        self._abandoned = False
+
+    async def execute(
+        self, work: Coroutine[Any, Any, _Result], final: Callable[[_Result], RunProgress]
+    ) -> tuple[SyncRun | None, _Result | None]:
+        """Run ``work`` as this run; ``final`` gives the counts of a run that completed. Returns the
+        finished row (None when the run was failed elsewhere) and the work's result (None unless it
+        completed)."""
+        run = self.run
+        try:
+            task = asyncio.create_task(work)
+            writer = asyncio.create_task(self._write_progress(task))
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                if not self._abandoned:
+                    raise
+                logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
+                await self._runs.release(run.id)
+                return None, None
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+        except asyncio.CancelledError:
+            await self._finish(RunStatus.FAILED, "cancelled: the process stopped", self.progress)
+            raise
+        except Exception as error:  # any failure ends the run failed, with its reason, never syncing
+            logger.warning("sync run %s of %s failed", run.id, run.connection_id, exc_info=True)
+            return await self._finish(RunStatus.FAILED, failure_reason(error), self.progress), None
+        return await self._finish(RunStatus.READY, None, final(result)), result
+
+    async def _finish(self, status: RunStatus, reason: str | None, progress: RunProgress) -> SyncRun | None:
+        return await self._runs.finish(self.run.id, status, reason, progress.counts, progress.rate)
+
+    async def _write_progress(self, work: asyncio.Task[Any]) -> None:
+        last = RunCounts()
+        while True:
+            await asyncio.sleep(self._interval_s)
+            progress = self.progress
+            try:
+                still_running = await self._runs.progress(
+                    self.run.id, progress.counts, progress.rate, progress.eta_seconds, moved=progress.counts != last
+                )
+            except CONNECTION_ERRORS as error:
+                # A lost progress write is not worth failing the sync for; the next one catches up.
+                logger.warning("progress of sync run %s not written: %s", self.run.id, error)
+                continue
+            if not still_running:
+                self._abandoned = True
+                work.cancel()
+                return
+            last = progress.counts
+
+
+def _run_progress(progress: SyncProgress, *, final: bool = False) -> RunProgress:
+    return RunProgress(_counts(progress), progress.rate, None if final else _eta(progress))
 
 
 class SyncRunner:
@@ -104,7 +185,7 @@ class SyncRunner:
             while True:
                 try:
                     await self.claim_pending()
-                except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
+                except CONNECTION_ERRORS as error:
                     logger.warning("claiming sync runs failed, retrying: %s", error)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self._poll_interval_s)
@@ -132,63 +213,21 @@ class SyncRunner:
 
     async def execute(self, run: SyncRun, observe: Callable[[SyncProgress], None] | None = None) -> RunOutcome:
         """Run one claimed (syncing) run to ready or failed; ``observe`` also sees every update."""
-        tracker = _Tracker()
+        execution = RunExecution(self._runs, run, progress_interval_s=self._progress_interval_s)
 
         def notify(progress: SyncProgress) -> None:
-            tracker.progress = progress
+            execution.progress = _run_progress(progress)
             self.live[run.connection_id] = progress
             if observe is not None:
                 observe(progress)
 
-        try:
+        async def sync() -> SyncReport:
             row = await self._runs.connection(run.connection_id)
             if row is None:
                 raise NoConnector(f"connection {run.connection_id} no longer exists")
-            sync = asyncio.create_task(self._pipeline().sync(connector_for(row), notify))
-            writer = asyncio.create_task(self._write_progress(run.id, tracker, sync))
-            try:
-                report = await sync
-            except asyncio.CancelledError:
-                if not tracker.abandoned:
-                    raise
-                logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
-                await self._runs.release(run.id)
-                return RunOutcome(None, None)
-            finally:
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writer
-        except asyncio.CancelledError:
-            await self._finish(run, RunStatus.FAILED, "cancelled: the process stopped", tracker.progress)
-            raise
-        except Exception as error:  # any failure ends the run failed, with its reason, never syncing
-            logger.warning("sync run %s of %s failed", run.id, run.connection_id, exc_info=True)
-            return RunOutcome(await self._finish(run, RunStatus.FAILED, failure_reason(error), tracker.progress), None)
-        return RunOutcome(await self._finish(run, RunStatus.READY, None, report.progress), report)
+            return await self._pipeline().sync(connector_for(row), notify)
 
-    async def _finish(
-        self, run: SyncRun, status: RunStatus, reason: str | None, progress: SyncProgress
-    ) -> SyncRun | None:
-        return await self._runs.finish(run.id, status, reason, _counts(progress), progress.rate)
+        def final(report: SyncReport) -> RunProgress:
+            return _run_progress(report.progress, final=True)
 
-    async def _write_progress(self, run_id: int, tracker: _Tracker, sync: asyncio.Task[SyncReport]) -> None:
-        """Every ``progress_interval_s``: counters, rate and ETA; the heartbeat only if counts moved.
-        Stops the sync when its run is no longer syncing (failed as stale by another start)."""
-        last = RunCounts()
-        while True:
-            await asyncio.sleep(self._progress_interval_s)
-            progress = tracker.progress
-            counts = _counts(progress)
-            try:
-                still_running = await self._runs.progress(
-                    run_id, counts, progress.rate, _eta(progress), moved=counts != last
-                )
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as error:
-                # A lost progress write is not worth failing the sync for; the next one catches up.
-                logger.warning("progress of sync run %s not written: %s", run_id, error)
-                continue
-            if not still_running:
-                tracker.abandoned = True
-                sync.cancel()
-                return
-            last = counts
+        return RunOutcome(*await execution.execute(sync(), final))

@@ -28,7 +28,9 @@ from ragstream.connectors.registry import ConnectionRow
 from ragstream.storage.cursors import Direction
 
 __all__ = [
+    "CONNECTION_ERRORS",
     "OWNER_GONE",
+    "OWNER_LOCK",
     "ConnectionOverview",
     "Downstream",
     "RagDisabled",
@@ -38,6 +40,7 @@ __all__ = [
     "SyncRun",
     "SyncRunStore",
     "Trigger",
+    "connect_session",
 ]
 
 Trigger = Literal["api", "create", "schedule", "cli"]
@@ -45,18 +48,20 @@ Trigger = Literal["api", "create", "schedule", "cli"]
 # Serialises claims: count the running runs and take a queued one as one step. Any constant works.
 _CLAIM_LOCK = 0x73796E63
 # The first key of every owner lock (two-key form, so it never meets the one-key locks above); the
-# second is the run id modulo 2**31, which is unique among the runs syncing at any one time.
-_OWNER_LOCK = 0x72756E6F
+# second is the run id modulo 2**31, which is unique among the runs syncing at any one time. Public so
+# that an operator or a test can find the owners in pg_locks (classid = OWNER_LOCK, objsubid = 2).
+OWNER_LOCK = 0x72756E6F
 OWNER_GONE = "owner gone: the process running this sync stopped or lost its database session"
 
-_CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+# What a lost or failing database connection raises: callers that can retry later catch these.
+CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 
 # Runs syncing whose owner lock nobody holds. pg_locks lists every database of the server, hence the
 # database filter; a lock taken in a committed transaction is visible to every session at once.
 _ORPHANED = (
     "NOT EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    f" AND l.classid::bigint = {_OWNER_LOCK} AND l.objid::bigint = sync_runs.id % 2147483648)"
+    f" AND l.classid::bigint = {OWNER_LOCK} AND l.objid::bigint = sync_runs.id % 2147483648)"
 )
 _SILENT = "coalesce(heartbeat_at, started_at, created_at) < now() - make_interval(secs => $2)"
 _INSERT = (
@@ -65,6 +70,20 @@ _INSERT = (
     " CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN now() END"
     " FROM connections WHERE id = $1 AND rag_enabled RETURNING *"
 )
+
+
+async def connect_session(dsn: str) -> asyncpg.Connection:
+    """A session of its own that may sit idle for hours (it holds advisory locks): the server's
+    ``idle_session_timeout`` is switched off for it. With a SET rather than a startup parameter,
+    which a session-mode PgBouncer would refuse; a server before PostgreSQL 14 has no such timeout."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        with contextlib.suppress(asyncpg.UndefinedObjectError):
+            await connection.execute("SET idle_session_timeout = 0")
+    except BaseException:
+        await connection.close()
+        raise
+    return connection
 
 
 class RunStatus(StrEnum):
@@ -189,7 +208,9 @@ class _RunOwner:
     Not a pooled connection: the pool resets a released connection (``pg_advisory_unlock_all``), and
     a lock must live exactly as long as this process can still finish its run. Opened on first use
     and again after it dropped (the runs it owned have been failed by then). One connection serves
-    every run of the process, so its use is serialised."""
+    every run of the process, so its use is serialised. It must be a real session: DATABASE_URL may
+    not point at a transaction-pooling proxy (PgBouncer in transaction mode), which would hand the
+    lock to whichever client uses the server connection next."""
 
     def __init__(self, dsn: str) -> None:
         self._dsn = dsn
@@ -201,7 +222,9 @@ class _RunOwner:
         """A transaction on the owner session; lock the runs it makes ``syncing`` with ``hold``."""
         async with self._lock:
             if self._connection is None or self._connection.is_closed():
-                self._connection = await asyncpg.connect(self._dsn)
+                # The session sits idle while its runs sync: a server-wide idle_session_timeout
+                # would end it, and every healthy run it owns would be failed as ownerless.
+                self._connection = await connect_session(self._dsn)
             async with self._connection.transaction():
                 yield self._connection
 
@@ -209,7 +232,7 @@ class _RunOwner:
     async def hold(connection: asyncpg.Connection, run_id: int) -> None:
         """Lock a run inside the transaction that makes it syncing: once that commits, no session can
         see the run syncing without its lock held."""
-        await connection.execute("SELECT pg_advisory_lock($1, $2)", _OWNER_LOCK, _owner_key(run_id))
+        await connection.execute("SELECT pg_advisory_lock($1, $2)", OWNER_LOCK, _owner_key(run_id))
 
     async def release(self, run_id: int) -> None:
         """Unlock a run that has ended; nothing to do when the session is already gone."""
@@ -217,15 +240,15 @@ class _RunOwner:
             connection = self._connection
             if connection is None or connection.is_closed():
                 return
-            with contextlib.suppress(*_CONNECTION_ERRORS):
-                await connection.execute("SELECT pg_advisory_unlock($1, $2)", _OWNER_LOCK, _owner_key(run_id))
+            with contextlib.suppress(*CONNECTION_ERRORS):
+                await connection.execute("SELECT pg_advisory_unlock($1, $2)", OWNER_LOCK, _owner_key(run_id))
 
     async def close(self) -> None:
         """End the session, and with it every lock: runs still held become visibly ownerless."""
         async with self._lock:
             connection, self._connection = self._connection, None
             if connection is not None:
-                with contextlib.suppress(*_CONNECTION_ERRORS):
+                with contextlib.suppress(*CONNECTION_ERRORS):
                     await connection.close()
 
 
@@ -382,22 +405,23 @@ class SyncRunStore:
             "UPDATE connections SET sync_error = $2, updated_at = now() WHERE id = $1", connection_id, error
         )
 
-    async def downstream(self, document_ids: Sequence[str], since: datetime) -> Downstream:
-        """Of these documents (a sync's announced changes): how many have committed since ``since``
-        (the run's start, on the database clock) and with how many chunks, and how many failed for
-        good since then. A commit after the start is of the announced version or a newer one; a
-        failure a stage is still retrying counts as neither, and so does an older version committed
-        while the announced one is failing (an open failure is of a version newer than the commit)."""
+    async def downstream(self, announced: Sequence[tuple[str, int]]) -> Downstream:
+        """Of these announced changes (a sync's ``(document id, version)`` pairs): how many have
+        committed, with how many chunks, and how many failed for good. Only the announced version
+        or a newer one counts, never an older version still in flight (from an earlier, killed run)
+        that commits or fails after this run began. A failure a stage is still retrying counts as
+        neither, and so does an older version committed while the announced one is failing."""
         row = await self._pool.fetchrow(
             "SELECT count(*) FILTER (WHERE committed) AS indexed,"
             " coalesce(sum(d.chunk_count) FILTER (WHERE committed), 0) AS chunks,"
-            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying AND f.failed_at >= $2) AS failed"
-            " FROM unnest($1::text[]) AS announced (id)"
+            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying) AS failed"
+            " FROM unnest($1::text[], $2::bigint[]) AS announced (id, version)"
             " LEFT JOIN documents d ON d.id = announced.id"
-            " LEFT JOIN open_document_failures f ON f.document_id = announced.id,"
-            " LATERAL (SELECT d.status = 'indexed' AND d.indexed_at >= $2 AND f.document_id IS NULL AS committed) c",
-            list(document_ids),
-            since,
+            " LEFT JOIN open_document_failures f ON f.document_id = announced.id AND f.version >= announced.version,"
+            " LATERAL (SELECT d.status = 'indexed' AND d.version >= announced.version AND f.document_id IS NULL"
+            " AS committed) c",
+            [document_id for document_id, _ in announced],
+            [version for _, version in announced],
         )
         assert row is not None
         return Downstream(indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"])

@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 import asyncpg
 
-from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRun, SyncRunStore
+from ragstream.control.runs import (
+    CONNECTION_ERRORS,
+    RagDisabled,
+    SyncInProgress,
+    SyncRun,
+    SyncRunStore,
+    connect_session,
+)
 
 __all__ = ["SCHEDULER_LOCK", "Scheduler"]
 
@@ -24,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 # The advisory lock key of the scheduler leader; the same in every replica.
 SCHEDULER_LOCK = 0x72736368
-
-_CONNECTION_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 
 
 class Scheduler:
@@ -53,7 +58,7 @@ class Scheduler:
             while True:
                 try:
                     await self.step()
-                except _CONNECTION_ERRORS as error:
+                except CONNECTION_ERRORS as error:
                     logger.warning("scheduler step failed, leadership dropped: %s", error)
                     await self.stop()
                 await asyncio.sleep(self._interval_s)
@@ -80,7 +85,8 @@ class Scheduler:
         return enqueued
 
     async def _try_lead(self) -> None:
-        connection = await asyncpg.connect(self._dsn)
+        # Idle between steps: a server idle_session_timeout must not end the leadership.
+        connection = await connect_session(self._dsn)
         try:
             if await connection.fetchval("SELECT pg_try_advisory_lock($1)", SCHEDULER_LOCK):
                 self._lock = connection
@@ -98,7 +104,7 @@ class Scheduler:
             return False
         try:
             await connection.fetchval("SELECT 1")
-        except _CONNECTION_ERRORS:
+        except CONNECTION_ERRORS:
             return False
         return True
 
@@ -108,5 +114,5 @@ class Scheduler:
         if connection is None:
             return
         # Closing the session releases its advisory lock.
-        with contextlib.suppress(*_CONNECTION_ERRORS):
+        with contextlib.suppress(*CONNECTION_ERRORS):
             await connection.close()

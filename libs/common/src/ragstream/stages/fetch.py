@@ -4,6 +4,7 @@ changed and announce it; resume an interrupted walk from its cursor and the stag
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -13,10 +14,12 @@ from ragstream.connectors.base import Connector, DocumentVanished, SourceItem
 from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
-from ragstream.storage.cursors import Direction, SyncCursor
+from ragstream.storage.cursors import Direction
 from ragstream.storage.documents import CommittedDocument, DocumentStore, document_id
 
 __all__ = ["ChangeSink", "ConfiguredConnector", "FetchService", "SyncCounts"]
+
+logger = logging.getLogger(__name__)
 
 
 class ChangeSink(Protocol):
@@ -56,7 +59,8 @@ class SyncCounts:
     downloaded: int = 0
     direction: Direction | None = None
     resumed: bool = False
-    changed_ids: list[str] = field(default_factory=list)
+    # The (document id, version) of every change announced: what a Kafka-mode run waits for.
+    announced: list[tuple[str, int]] = field(default_factory=list)
 
 
 class FetchService:
@@ -68,9 +72,12 @@ class FetchService:
 
     The walk keeps a ``download`` cursor (the last external id it finished). A sync that stopped
     midway leaves it unfinished, and the next one resumes it: what the stopped walk staged but never
-    indexed is announced again from the staging store, and the other items up to the cursor are not
-    examined again. The whole listing is still walked: it is cheap, and deletions need all of it. A
-    failure or change behind the cursor meanwhile is found by the next walk, a forward one.
+    indexed is announced again from the staging store (an item without a cheap version is downloaded
+    again first: it may have been edited meanwhile), and committed items up to the cursor whose
+    listing has no cheap version are not downloaded again (their edits since are found by the next,
+    forward walk). Everything else is examined as in any walk: new items, and items with a cheap
+    version, whose comparison costs no download. The whole listing is still walked: it is cheap, and
+    deletions need all of it.
     """
 
     def __init__(
@@ -105,12 +112,26 @@ class FetchService:
         counts = SyncCounts(direction=walk.direction, resumed=resuming)
         listed: set[str] = set()
         written = time.monotonic()
+        # The cursor is a position in ascending external id order; a listing out of that order
+        # would make it skip items never walked, so from the first id out of order it is ignored
+        # (every item examined) and no longer moved.
+        resume_after, previous, ordered = walk.position, "", True
         async for item in self._connector.list_items():
             counts.seen += 1
+            if ordered and item.external_id < previous:
+                logger.warning(
+                    "connection %s lists %r after %r, out of ascending id order: its download cursor is"
+                    " ignored for the rest of this walk",
+                    connection_id,
+                    item.external_id,
+                    previous,
+                )
+                resume_after, ordered = None, False
+            previous = item.external_id
             downloaded = counts.downloaded
-            if await self._walk_item(item, walk, staged.get(item.external_id), committed, sink, counts):
+            if await self._walk_item(item, resume_after, staged.get(item.external_id), committed, sink, counts):
                 listed.add(item.external_id)
-            if counts.downloaded > downloaded or time.monotonic() - written >= _CURSOR_INTERVAL_S:
+            if ordered and (counts.downloaded > downloaded or time.monotonic() - written >= _CURSOR_INTERVAL_S):
                 await cursors.advance(connection_id, "download", item.external_id, counts.seen)
                 written = time.monotonic()
             if self._on_item:
@@ -131,7 +152,7 @@ class FetchService:
     async def _walk_item(
         self,
         item: SourceItem,
-        walk: SyncCursor,
+        resume_after: str | None,
         staged: DocumentHeader | None,
         committed: dict[str, CommittedDocument],
         sink: ChangeSink,
@@ -139,32 +160,56 @@ class FetchService:
     ) -> bool:
         """Where one listed item goes; False when it vanished and must be treated as deleted."""
         if staged is not None:
-            if staged.source_version == item.source_version:
+            if item.source_version is not None and staged.source_version == item.source_version:
                 # Downloaded by the interrupted sync and not changed since: index it from staging.
-                header = self._header(item, staged.document_id, staged.version, staged.content_hash)
-                await sink.changed(DocumentChanged(header=header))
-                counts.changed += 1
-                counts.restaged += 1
-                counts.changed_ids.append(header.document_id)
+                await self._restage(item, staged, sink, counts)
                 return True
-            # Changed since it was staged: download it again, wherever the cursor stands.
-        elif walk.position is not None and item.external_id <= walk.position:
-            # Finished by the interrupted walk. Without a cheap version (source_version None) it would
-            # otherwise be downloaded again just to compare hashes.
+            # Changed since it was staged, or without a cheap version to tell (it may have been edited
+            # while the sync was down): download it again, wherever the cursor stands.
+        elif (
+            resume_after is not None
+            and item.external_id <= resume_after
+            and item.source_version is None
+            and (known := committed.get(item.external_id)) is not None
+        ):
+            # Committed, and finished by the interrupted walk: without a cheap version it would be
+            # downloaded again just to compare hashes. Its permissions are still compared (free); an
+            # edit since the stopped walk passed it is found by the next, forward walk. Everything else
+            # is examined as usual: a new item, and one with a cheap version, which costs no download.
+            await self._sync_acl(item, known, counts)
             counts.unchanged += 1
             return True
-        return await self._process(item, committed.get(item.external_id), sink, counts)
+        return await self._process(item, committed.get(item.external_id), sink, counts, staged)
 
-    async def _process(
-        self, item: SourceItem, known: CommittedDocument | None, sink: ChangeSink, counts: SyncCounts
-    ) -> bool:
-        """Handle one listed item; False when it vanished and must be treated as deleted."""
+    async def _restage(self, item: SourceItem, staged: DocumentHeader, sink: ChangeSink, counts: SyncCounts) -> None:
+        """Announce the version an interrupted sync staged, from the staging store."""
+        header = self._header(item, staged.document_id, staged.version, staged.content_hash)
+        await sink.changed(DocumentChanged(header=header))
+        counts.changed += 1
+        counts.restaged += 1
+        counts.announced.append((header.document_id, header.version))
+
+    async def _sync_acl(self, item: SourceItem, known: CommittedDocument, counts: SyncCounts) -> None:
+        """Permissions changed: rewrite the chunks' ACL now, without re-reading or re-embedding.
+        A revoked reader loses access at once, even while a new version is still on its way."""
         acl = sorted(set(item.acl)) if item.acl is not None else None
-        if known and acl != (sorted(known.acl) if known.acl is not None else None):
-            # Permissions changed: rewrite the chunks' ACL now, without re-reading or re-embedding.
-            # A revoked reader loses access at once, even while a new version is still on its way.
+        if acl != (sorted(known.acl) if known.acl is not None else None):
             await self._store.update_acl(known.document_id, acl)
             counts.acl_updated += 1
+
+    async def _process(
+        self,
+        item: SourceItem,
+        known: CommittedDocument | None,
+        sink: ChangeSink,
+        counts: SyncCounts,
+        staged: DocumentHeader | None = None,
+    ) -> bool:
+        """Handle one listed item; False when it vanished and must be treated as deleted. ``staged``:
+        the version an interrupted sync staged and never indexed, announced again if the bytes are
+        still the same rather than staged a second time."""
+        if known:
+            await self._sync_acl(item, known, counts)
         if known and item.source_version is not None and item.source_version == known.source_version:
             counts.unchanged += 1
             return True
@@ -190,11 +235,14 @@ class FetchService:
             await self._store.remember_source_version(known.document_id, item.source_version)
             counts.unchanged += 1
             return True
+        if staged is not None and staged.content_hash == content_hash:
+            await self._restage(item, staged, sink, counts)
+            return True
         header = self._header(item, header_id, await self._store.next_version(), content_hash)
         await self._store.stage(header, content)
         await sink.changed(DocumentChanged(header=header))
         counts.changed += 1
-        counts.changed_ids.append(header_id)
+        counts.announced.append((header_id, header.version))
         return True
 
     def _header(self, item: SourceItem, header_id: str, version: int, content_hash: str) -> DocumentHeader:

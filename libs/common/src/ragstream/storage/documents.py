@@ -211,12 +211,18 @@ class DocumentStore:
 
     async def pending_staged(self, connection_id: str) -> dict[str, DocumentHeader]:
         """The newest staged version of each document that nothing newer has superseded (no commit,
-        no tombstone), by external id: what an interrupted sync downloaded but never indexed."""
+        no tombstone), by external id: what an interrupted sync downloaded but never indexed.
+
+        A version that failed for good (binary, empty, rejected: a non-retryable failure of it or of
+        a newer version) is not pending: announcing it again could only fail again, growing its
+        retry count and dead-lettering it once more. Its item is examined as in any walk."""
         rows = await self._pool.fetch(
-            "SELECT DISTINCT ON (s.document_id) s.header::text AS header FROM staged_documents s"
-            " LEFT JOIN documents d ON d.id = s.document_id"
+            "SELECT p.header FROM (SELECT DISTINCT ON (s.document_id) s.document_id, s.version,"
+            " s.header::text AS header FROM staged_documents s LEFT JOIN documents d ON d.id = s.document_id"
             " WHERE s.connection_id = $1 AND s.header IS NOT NULL AND (d.version IS NULL OR d.version < s.version)"
-            " ORDER BY s.document_id, s.version DESC",
+            " ORDER BY s.document_id, s.version DESC) p"
+            " WHERE NOT EXISTS (SELECT 1 FROM document_failures f"
+            "  WHERE f.document_id = p.document_id AND f.version >= p.version AND NOT f.retryable)",
             connection_id,
         )
         headers = [DocumentHeader.model_validate_json(row["header"]) for row in rows]
@@ -306,8 +312,9 @@ class DocumentStore:
                 "INSERT INTO documents (id, connection_id, external_id, title, source, media_type, content_hash,"
                 " source_version, version, status, chunk_count, knowledge_base, url, metadata, indexed_at, retry_count)"
                 " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'indexed', $10, $11, $12, $13, now(),"
-                # The retries this version took: its failure row, if any, counted each failed attempt.
-                "  coalesce((SELECT f.retry_count + 1 FROM document_failures f"
+                # The retries this version took: its failure row, if any, counted them, including the
+                # one a retrying row announced; otherwise this commit is itself a retry (a replay).
+                "  coalesce((SELECT f.retry_count + CASE WHEN f.retrying THEN 0 ELSE 1 END FROM document_failures f"
                 "   WHERE f.document_id = $1 AND f.version = $9), 0))"
                 " ON CONFLICT (id) DO UPDATE SET title = EXCLUDED.title, source = EXCLUDED.source,"
                 " media_type = EXCLUDED.media_type, content_hash = EXCLUDED.content_hash,"
@@ -385,18 +392,21 @@ class DocumentStore:
     async def record_failure(
         self, header: DocumentHeader, *, step: str, code: str, message: str, retryable: bool, retrying: bool = False
     ) -> Failure:
-        """Record why a version did not index; the retry count grows while the same version keeps failing.
-        ``retrying``: a stage is about to try it again (not given up on yet)."""
+        """Record why a version did not index. ``retrying``: a stage is about to try it again (not
+        given up on yet). The retry count is the retries of this version made so far, the one under
+        way included: a retrying row counts the retry it announces, and a failure after a row that
+        was not retrying (a replay) counts the replay."""
         row = await self._pool.fetchrow(
             "INSERT INTO document_failures"
-            " (document_id, connection_id, source, version, step, code, message, retryable, header, retrying)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10)"
+            " (document_id, connection_id, source, version, step, code, message, retryable, header, retrying,"
+            " retry_count) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, CASE WHEN $10 THEN 1 ELSE 0 END)"
             " ON CONFLICT (document_id) DO UPDATE SET source = EXCLUDED.source, step = EXCLUDED.step,"
             " retrying = EXCLUDED.retrying,"
             " code = EXCLUDED.code, message = EXCLUDED.message, retryable = EXCLUDED.retryable, failed_at = now(),"
             " header = EXCLUDED.header,"
             " retry_count = CASE WHEN document_failures.version = EXCLUDED.version"
-            "   THEN document_failures.retry_count + 1 ELSE 0 END, version = EXCLUDED.version"
+            "   THEN document_failures.retry_count + CASE WHEN document_failures.retrying THEN 0 ELSE 1 END"
+            "   ELSE 0 END + EXCLUDED.retry_count, version = EXCLUDED.version"
             " RETURNING retry_count",
             header.document_id,
             header.connection_id,
