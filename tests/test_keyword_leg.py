@@ -217,7 +217,7 @@ async def test_odd_terms_and_stale_statistics_are_harmless(runtime: Runtime) -> 
     assert len(await store.keyword_leg(["zwieback"], 5, scope)) == 1
     # A cached chunk count older than the documents: df exceeds it, the scores stay finite.
     await index(runtime, {f"z{n}.txt": "zwieback crumbs" for n in range(30)}, connection=connection)
-    store._stats = _CorpusStats(time.monotonic(), 3.0, 4.0, 4.0)
+    store._cache.stats = _CorpusStats(time.monotonic(), 3.0, 4.0, 4.0)
     assert len(await store.keyword_leg(["zwieback", "toast"], 50, scope)) == 31
     [both] = await store.keyword_leg(["zwieback", "toast"], 1, scope)
     [toast] = await store.keyword_leg(["toast"], 1, scope)

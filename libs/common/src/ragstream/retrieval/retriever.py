@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -41,14 +40,22 @@ class RetrievalSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class _VectorLeg:
-    """The vector leg's hits and what produced them: the space (reported with the results), and its
-    table and query vector, which score fusion reuses for the keyword leg's other chunks."""
+class _QueryVector:
+    """The query embedded by a space's model, with that space's table: one model for query and table."""
 
-    hits: list[Hit]
-    model_key: str | None = None
-    table: str | None = None
-    vector: Vectors | None = None
+    model_key: str
+    table: str
+    vector: Vectors
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidates:
+    """What one snapshot of the database gave: both legs, and the fused candidates read back."""
+
+    vector_hits: list[Hit]
+    keyword_hits: list[Hit]
+    ranked: list[tuple[ChunkRecord, float]]
+    model_key: str | None
 
 
 class HybridRetriever:
@@ -79,22 +86,24 @@ class HybridRetriever:
         # Both legs put their own two parameters first, so one clause serves both.
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
-        vector, keyword = await asyncio.gather(
-            self._vector_leg(query, scope), self._store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
-        )
-        fused = await self._fuse(vector, keyword)
-        candidates = fused[: max(request.top_k, self._settings.rerank_candidates if self._reranker else 0)]
-        records = await self._store.chunks([chunk for chunk, _ in candidates])
-        # Deleted between the legs and the read-back: the next search will not see it either.
-        ranked = [(records[chunk], score) for chunk, score in candidates if chunk in records]
-        ranked, reranked = await self._rerank(query, ranked, request.top_k)
-        results = await self._results(request, ranked[: request.top_k], terms, vector.hits, keyword)
+        wanted = max(request.top_k, self._settings.rerank_candidates if self._reranker else 0)
+        try:
+            found = await self._candidates(query, terms, scope, wanted)
+        except asyncpg.UndefinedTableError:
+            if self._spaces is None:
+                raise
+            # A re-index switched and dropped the space's table after the space was read: search
+            # the new active space instead, embedding the query again with its model.
+            self._spaces.invalidate()
+            found = await self._candidates(query, terms, scope, wanted)
+        ranked, reranked = await self._rerank(query, found.ranked, request.top_k)
+        results = await self._results(request, ranked[: request.top_k], terms, found.vector_hits, found.keyword_hits)
         return SearchResponse(
             query=request.query,
             rewritten_query=query if query != request.query else None,
             results=results,
             reranked=reranked,
-            embedding_space=vector.model_key,
+            embedding_space=found.model_key,
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
@@ -108,44 +117,55 @@ class HybridRetriever:
             logger.warning("query rephrasing failed, searching the raw query: %s", error)
             return request.query
 
-    async def _vector_leg(self, query: str, scope: Scope) -> _VectorLeg:
-        """The chunks nearest to the query and the space that served them: one model for query and table."""
+    async def _candidates(self, query: str, terms: list[str], scope: Scope, wanted: int) -> _Candidates:
+        """Both legs, the fusion and the read-back, all in one snapshot of the database
+        (``SearchStore.snapshot``): a re-chunk switch, a deletion or a commit landing meanwhile is
+        seen by every statement or by none, so a search never mixes two index versions of a
+        connection, nor loses at the read-back a chunk its legs found. The query is embedded while
+        the keyword leg runs."""
+        embedding = asyncio.create_task(self._embed_query(query))
+        try:
+            async with self._store.snapshot() as store:
+                keyword = await store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
+                embedded = await embedding
+                vector = []
+                if embedded is not None:
+                    vector = await store.vector_leg(embedded.table, embedded.vector, self._settings.leg_size, scope)
+                fused = await self._fuse(store, embedded, vector, keyword)
+                records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
+        finally:
+            embedding.cancel()
+        ranked = [(records[chunk], score) for chunk, score in fused[:wanted] if chunk in records]
+        return _Candidates(vector, keyword, ranked, embedded.model_key if embedded else None)
+
+    async def _embed_query(self, query: str) -> _QueryVector | None:
+        """The query in the active space (``None`` when nothing was ever embedded)."""
         if self._spaces is None:
             table = await self._store.embedding_table(self._embedder.model_key)
             if table is None:
-                return _VectorLeg([])
-            return await self._space_leg(query, scope, table, self._embedder, self._embedder.model_key)
+                return None
+            vector = (await self._embedder.embed([query], kind="query"))[0]
+            return _QueryVector(self._embedder.model_key, table, vector)
         space = await self._spaces.current()
-        try:
-            return await self._space_leg(query, scope, space.table, space.embedder, space.model_key)
-        except asyncpg.UndefinedTableError:
-            # A re-index switched and dropped this table after the space was read: search the new
-            # active space instead, embedding the query again with its model.
-            self._spaces.invalidate()
-            space = await self._spaces.current()
-            return await self._space_leg(query, scope, space.table, space.embedder, space.model_key)
+        vector = (await space.embedder.embed([query], kind="query"))[0]
+        return _QueryVector(space.model_key, space.table, vector)
 
-    async def _space_leg(self, query: str, scope: Scope, table: str, embedder: Embedder, model_key: str) -> _VectorLeg:
-        vector = (await embedder.embed([query], kind="query"))[0]
-        hits = await self._store.vector_leg(table, vector, self._settings.leg_size, scope)
-        return _VectorLeg(hits, model_key, table, vector)
-
-    async def _fuse(self, vector: _VectorLeg, keyword: list[Hit]) -> list[tuple[str, float]]:
+    async def _fuse(
+        self, store: SearchStore, embedded: _QueryVector | None, vector: list[Hit], keyword: list[Hit]
+    ) -> list[tuple[str, float]]:
         settings = self._settings
         if settings.fusion == "rrf":
             return reciprocal_rank_fusion(
-                [[hit.chunk_id for hit in vector.hits], [hit.chunk_id for hit in keyword]],
+                [[hit.chunk_id for hit in vector], [hit.chunk_id for hit in keyword]],
                 weights=[settings.vector_weight, settings.keyword_weight],
                 k=settings.rrf_k,
             )
         similarity: dict[str, float] = {}
-        found = {hit.chunk_id for hit in vector.hits}
+        found = {hit.chunk_id for hit in vector}
         missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
-        if missing and vector.table is not None and vector.vector is not None:
-            # A re-index may have dropped the table since the leg: fuse without the similarities then.
-            with contextlib.suppress(asyncpg.UndefinedTableError):
-                similarity = await self._store.similarities(vector.table, vector.vector, missing)
-        return convex_fusion(vector.hits, keyword, alpha=settings.convex_alpha, similarity=similarity)
+        if missing and embedded is not None:
+            similarity = await store.similarities(embedded.table, embedded.vector, missing)
+        return convex_fusion(vector, keyword, alpha=settings.convex_alpha, similarity=similarity)
 
     async def _rerank(
         self, query: str, ranked: list[tuple[ChunkRecord, float]], top_k: int

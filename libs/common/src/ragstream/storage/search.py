@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import asyncpg
 import numpy as np
@@ -110,6 +112,13 @@ class _CorpusStats:
     average_bigrams: float
 
 
+@dataclass(slots=True)
+class _StatsCache:
+    """Shared by a store and its snapshots, so a snapshot's fresh statistics serve the next search."""
+
+    stats: _CorpusStats | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkRecord:
     chunk_id: str
@@ -148,14 +157,42 @@ class SearchStore:
         if bm25_k1 < 0 or not 0 <= bm25_b <= 1 or bigram_weight < 0:
             raise ValueError("BM25 needs k1 >= 0, 0 <= b <= 1 and bigram_weight >= 0")
         self._pool = pool
+        self._db: Any = pool  # the pool, or in a snapshot its one connection
         self._ef_search = ef_search
         self._keyword_ranking = keyword_ranking
         self._bm25 = (float(bm25_k1), float(bm25_b), float(bigram_weight))
         self._stats_ttl_s = stats_ttl_s
-        self._stats: _CorpusStats | None = None
+        self._cache = _StatsCache()
+
+    @contextlib.asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[SearchStore]:
+        """This store on one connection, in one read-only REPEATABLE READ transaction: every statement
+        of a search then sees the same committed state, so a re-chunk switch or a deletion committed
+        meanwhile is seen by all of them or by none, never by one leg and not the other, and the
+        read-back finds every chunk the legs returned."""
+        async with (
+            self._pool.acquire() as connection,
+            connection.transaction(isolation="repeatable_read", readonly=True),
+        ):
+            # chunks first, as the re-index switch does before it drops a table that references it:
+            # a search holding an embedding table while waiting for chunks would deadlock with it.
+            await connection.execute("LOCK TABLE chunks IN ACCESS SHARE MODE")
+            bound = copy.copy(self)
+            bound._db = connection
+            yield bound
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Any]:
+        """Where ``SET LOCAL`` is safe: a transaction of its own, or a savepoint within a snapshot."""
+        if self._db is self._pool:
+            async with self._pool.acquire() as connection, connection.transaction():
+                yield connection
+        else:
+            async with self._db.transaction():
+                yield self._db
 
     async def embedding_table(self, model_key: str) -> str | None:
-        value = await self._pool.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
+        value = await self._db.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
         return str(value) if value is not None else None
 
     # pgvector 0.6 filters after the HNSW scan: a scan of ef_search nodes yields at most ef_search
@@ -170,7 +207,7 @@ class SearchStore:
         scope holds fewer: however selective the scope, the leg never comes back short."""
         vector = np.asarray(query_vector, dtype=np.float32)
         base = min(max(self._ef_search, limit), self._EF_MAX)
-        async with self._pool.acquire() as connection, connection.transaction():
+        async with self._transaction() as connection:
             hits, visible, seen = await self._hnsw_scan(connection, table, vector, limit, scope, base)
             if len(hits) == limit and visible * self._EF_SLACK >= base:
                 return hits
@@ -224,7 +261,7 @@ class SearchStore:
     async def similarities(self, table: str, query_vector: Vectors, chunk_ids: Sequence[str]) -> dict[str, float]:
         """Cosine similarity of the query to each of ``chunk_ids`` that has a vector in ``table``:
         score fusion needs it for the keyword leg's chunks that the vector leg did not return."""
-        rows = await self._pool.fetch(
+        rows = await self._db.fetch(
             f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {table} WHERE chunk_id = ANY($2::text[])",
             np.asarray(query_vector, dtype=np.float32),
             list(chunk_ids),
@@ -243,7 +280,7 @@ class SearchStore:
         if not terms:
             return []
         if self._keyword_ranking == "ts_rank":
-            rows = await self._pool.fetch(
+            rows = await self._db.fetch(
                 f"WITH q AS ({_TSQUERY}) SELECT c.id, ts_rank_cd(c.search_vector, q.query) AS score"
                 f" FROM q, chunks c {scope.joins}"
                 f" WHERE q.query IS NOT NULL AND c.search_vector @@ q.query AND {scope.sql}"
@@ -267,7 +304,7 @@ class SearchStore:
         first = 3 + len(scope.params)
         numbers = {name: first + offset for offset, name in enumerate(values)}
         terms_sql = _BM25_TERMS.format(text=numbers.pop("text"))
-        rows = await self._pool.fetch(
+        rows = await self._db.fetch(
             _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, **numbers),
             list(terms),
             limit,
@@ -286,17 +323,18 @@ class SearchStore:
         that have bigrams: English chunks have none and would make every Chinese chunk look long.
         """
         now = time.monotonic()
-        if self._stats is None or now - self._stats.taken_at > self._stats_ttl_s:
-            row = await self._pool.fetchrow(
+        cached = self._cache.stats
+        if cached is None or now - cached.taken_at > self._stats_ttl_s:
+            row = await self._db.fetchrow(
                 "SELECT count(*) AS n, avg(lexeme_count)::float8 AS words,"
                 " avg(bigram_count) FILTER (WHERE bigram_count > 0)::float8 AS bigrams FROM chunks"
             )
             assert row is not None
-            self._stats = _CorpusStats(now, float(row["n"]), row["words"] or 1.0, row["bigrams"] or 1.0)
-        return self._stats
+            cached = self._cache.stats = _CorpusStats(now, float(row["n"]), row["words"] or 1.0, row["bigrams"] or 1.0)
+        return cached
 
     async def chunks(self, chunk_ids: Sequence[str]) -> dict[str, ChunkRecord]:
-        rows = await self._pool.fetch(
+        rows = await self._db.fetch(
             "SELECT c.id, c.document_id, d.connection_id, k.platform, d.knowledge_base, d.title, d.source, d.url,"
             " c.heading, c.text FROM chunks c JOIN documents d ON d.id = c.document_id"
             " JOIN connections k ON k.id = d.connection_id WHERE c.id = ANY($1::text[])",

@@ -257,6 +257,10 @@ class SpaceStore:
                 await connection.execute(
                     "UPDATE embedding_spaces SET status = 'retired' WHERE model_key = $1", old.model_key
                 )
+                # Dropping a table whose foreign key references chunks locks chunks exclusively too.
+                # Taken first, in the order searches take them (SearchStore.snapshot: chunks, then an
+                # embedding table), so a search in flight finishes instead of deadlocking with us.
+                await connection.execute("LOCK TABLE chunks IN ACCESS EXCLUSIVE MODE")
                 await connection.execute(f"DROP TABLE {old.table}")
             await connection.execute("UPDATE embedding_spaces SET status = 'active' WHERE model_key = $1", target_key)
         return embedded
