@@ -13,9 +13,8 @@ import pytest
 
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
-from ragstream.storage.database import connect_pool
 from ragstream_fetcher import main as fetcher_main
-from tests.support.connections import private_database
+from tests.support.connections import fetcher_database
 from tests.support.run_owner import owner_locks
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
@@ -43,44 +42,38 @@ async def test_a_run_failed_elsewhere_stops_the_fetchers_walk(
         (folder / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nA slow page number {index}.\n")
     monkeypatch.setattr(fetcher_main, "FolderConnector", SlowFolder)
     monkeypatch.setattr(SlowFolder, "downloaded", [])
-    async with private_database(database_url) as dsn:
-        monkeypatch.setenv("DATABASE_URL", dsn)
-        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-        monkeypatch.setenv("RAGSTREAM_SCHEDULER_ENABLED", "false")
-        monkeypatch.setenv("RAGSTREAM_SYNC_PROGRESS_INTERVAL_S", "0.05")
-        pool = await connect_pool(dsn)
-        try:
-            app = fetcher_main.create_app()
-            async with (
-                app.router.lifespan_context(app),
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client,
-            ):
-                started = (await client.post("/v1/syncs", json={"path": str(folder)})).json()
-                connection_id = started["connection_id"]
-                deadline = time.monotonic() + 30
-                while len(SlowFolder.downloaded) < 5:
-                    assert time.monotonic() < deadline, "the walk did not start"
-                    await asyncio.sleep(0.02)
-                # Another replica fails the run (as stale); a replacement may now resume its walk.
-                run_id = await pool.fetchval(
-                    "UPDATE sync_runs SET status = 'failed', reason = 'stale: no progress for 1800 s',"
-                    " finished_at = now() WHERE connection_id = $1 AND status = 'syncing' RETURNING id",
-                    connection_id,
-                )
-                while (sync := (await client.get(f"/v1/syncs/{connection_id}")).json())["state"] == "syncing":
-                    assert time.monotonic() < deadline, "the fetcher kept walking a run failed elsewhere"
-                    await asyncio.sleep(0.02)
-                stopped_at = len(SlowFolder.downloaded)
-                position = await pool.fetchval(
-                    "SELECT position FROM sync_cursors WHERE connection_id = $1 AND stage = 'download'", connection_id
-                )
-                await asyncio.sleep(0.3)
-                assert (sync["state"], sync["error"]) == ("failed", "stale: no progress for 1800 s")
-                assert stopped_at < FILES and len(SlowFolder.downloaded) == stopped_at
-                assert position is not None and position < f"doc-{FILES - 1:02}.md"
-                assert position == await pool.fetchval(
-                    "SELECT position FROM sync_cursors WHERE connection_id = $1 AND stage = 'download'", connection_id
-                )
-                assert await owner_locks(pool, run_id) == 0
-        finally:
-            await pool.close()
+    async with fetcher_database(
+        database_url, kafka_bootstrap, monkeypatch, scheduler_enabled="false", sync_progress_interval_s="0.05"
+    ) as pool:
+        app = fetcher_main.create_app()
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client,
+        ):
+            started = (await client.post("/v1/syncs", json={"path": str(folder)})).json()
+            connection_id = started["connection_id"]
+            deadline = time.monotonic() + 30
+            while len(SlowFolder.downloaded) < 5:
+                assert time.monotonic() < deadline, "the walk did not start"
+                await asyncio.sleep(0.02)
+            # Another replica fails the run (as stale); a replacement may now resume its walk.
+            run_id = await pool.fetchval(
+                "UPDATE sync_runs SET status = 'failed', reason = 'stale: no progress for 1800 s',"
+                " finished_at = now() WHERE connection_id = $1 AND status = 'syncing' RETURNING id",
+                connection_id,
+            )
+            while (sync := (await client.get(f"/v1/syncs/{connection_id}")).json())["state"] == "syncing":
+                assert time.monotonic() < deadline, "the fetcher kept walking a run failed elsewhere"
+                await asyncio.sleep(0.02)
+            stopped_at = len(SlowFolder.downloaded)
+            position = await pool.fetchval(
+                "SELECT position FROM sync_cursors WHERE connection_id = $1 AND stage = 'download'", connection_id
+            )
+            await asyncio.sleep(0.3)
+            assert (sync["state"], sync["error"]) == ("failed", "stale: no progress for 1800 s")
+            assert stopped_at < FILES and len(SlowFolder.downloaded) == stopped_at
+            assert position is not None and position < f"doc-{FILES - 1:02}.md"
+            assert position == await pool.fetchval(
+                "SELECT position FROM sync_cursors WHERE connection_id = $1 AND stage = 'download'", connection_id
+            )
+            assert await owner_locks(pool, run_id) == 0

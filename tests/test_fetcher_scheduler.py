@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from ragstream.connectors.registry import register_folder
-from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream_fetcher.main import create_app
-from tests.support.connections import private_database
+from tests.support.connections import fetcher_database
 from tests.support.run_owner import owner_locks
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
@@ -26,39 +25,31 @@ async def test_the_fetcher_queues_and_runs_a_due_connection(
     folder.mkdir()
     (folder / "a.md").write_text("# A\n\nA page the scheduler finds on its own.\n")
     # A database of its own: the scheduler acts on every due connection of its database.
-    async with private_database(database_url) as dsn:
-        monkeypatch.setenv("DATABASE_URL", dsn)
-        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-        monkeypatch.setenv("RAGSTREAM_SCHEDULER_INTERVAL_S", "0.2")
-        monkeypatch.setenv("RAGSTREAM_FETCHER_INTERVAL_S", "0")
-        pool = await connect_pool(dsn)
-        try:
-            connection_id = await register_folder(DocumentStore(pool), folder)  # never synced: due at once
-            app = create_app()
-            async with app.router.lifespan_context(app):
-                deadline = time.monotonic() + 60
-                while (
-                    run := await pool.fetchrow(
-                        "SELECT trigger, status, listed, changed, listing_done FROM sync_runs WHERE connection_id = $1",
-                        connection_id,
-                    )
-                ) is None or not run["listing_done"]:
-                    assert time.monotonic() < deadline, f"no scheduled run announced the folder: {run}"
-                    await asyncio.sleep(0.1)
-                # Announced; no indexer runs here, so the run waits for the commit, syncing.
-                assert dict(run) == {
-                    "trigger": "schedule",
-                    "status": "syncing",
-                    "listed": 1,
-                    "changed": 1,
-                    "listing_done": True,
-                }
-            stopped = await pool.fetchrow(
-                "SELECT status, reason FROM sync_runs WHERE connection_id = $1", connection_id
-            )
-            assert dict(stopped) == {"status": "failed", "reason": "cancelled: the process stopped"}
-        finally:
-            await pool.close()
+    async with fetcher_database(
+        database_url, kafka_bootstrap, monkeypatch, scheduler_interval_s="0.2", fetcher_interval_s="0"
+    ) as pool:
+        connection_id = await register_folder(DocumentStore(pool), folder)  # never synced: due at once
+        app = create_app()
+        async with app.router.lifespan_context(app):
+            deadline = time.monotonic() + 60
+            while (
+                run := await pool.fetchrow(
+                    "SELECT trigger, status, listed, changed, listing_done FROM sync_runs WHERE connection_id = $1",
+                    connection_id,
+                )
+            ) is None or not run["listing_done"]:
+                assert time.monotonic() < deadline, f"no scheduled run announced the folder: {run}"
+                await asyncio.sleep(0.1)
+            # Announced; no indexer runs here, so the run waits for the commit, syncing.
+            assert dict(run) == {
+                "trigger": "schedule",
+                "status": "syncing",
+                "listed": 1,
+                "changed": 1,
+                "listing_done": True,
+            }
+        stopped = await pool.fetchrow("SELECT status, reason FROM sync_runs WHERE connection_id = $1", connection_id)
+        assert dict(stopped) == {"status": "failed", "reason": "cancelled: the process stopped"}
 
 
 async def test_a_claimed_run_that_cannot_start_fails_and_frees_its_connection(
@@ -66,27 +57,21 @@ async def test_a_claimed_run_that_cannot_start_fails_and_frees_its_connection(
 ) -> None:
     folder = tmp_path / "kb"
     folder.mkdir()
-    async with private_database(database_url) as dsn:
-        monkeypatch.setenv("DATABASE_URL", dsn)
-        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-        monkeypatch.setenv("RAGSTREAM_SCHEDULER_INTERVAL_S", "0.2")
-        monkeypatch.setenv("RAGSTREAM_FETCHER_INTERVAL_S", "0")
-        pool = await connect_pool(dsn)
-        try:
-            connection_id = await register_folder(DocumentStore(pool), folder)
-            folder.rmdir()  # the connector cannot be built: NotADirectoryError
-            app = create_app()
-            async with app.router.lifespan_context(app):
-                deadline = time.monotonic() + 60
-                while (
-                    run := await pool.fetchrow(
-                        "SELECT id, status, reason FROM sync_runs WHERE connection_id = $1", connection_id
-                    )
-                ) is None or run["status"] != "failed":
-                    assert time.monotonic() < deadline, f"the run was not failed: {run}"
-                    await asyncio.sleep(0.1)
-                assert run["reason"].startswith("NotADirectoryError:")
-                # Its owner lock is released while the fetcher lives on: the next start is not refused.
-                assert await owner_locks(pool, run["id"]) == 0
-        finally:
-            await pool.close()
+    async with fetcher_database(
+        database_url, kafka_bootstrap, monkeypatch, scheduler_interval_s="0.2", fetcher_interval_s="0"
+    ) as pool:
+        connection_id = await register_folder(DocumentStore(pool), folder)
+        folder.rmdir()  # the connector cannot be built: NotADirectoryError
+        app = create_app()
+        async with app.router.lifespan_context(app):
+            deadline = time.monotonic() + 60
+            while (
+                run := await pool.fetchrow(
+                    "SELECT id, status, reason FROM sync_runs WHERE connection_id = $1", connection_id
+                )
+            ) is None or run["status"] != "failed":
+                assert time.monotonic() < deadline, f"the run was not failed: {run}"
+                await asyncio.sleep(0.1)
+            assert run["reason"].startswith("NotADirectoryError:")
+            # Its owner lock is released while the fetcher lives on: the next start is not refused.
+            assert await owner_locks(pool, run["id"]) == 0

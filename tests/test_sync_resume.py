@@ -63,6 +63,19 @@ def write_corpus(folder: Path) -> None:
         (folder / name).write_text(f"# Doc {index}\n\nResume term orchidvault number {index}.\n\nMore text {index}.\n")
 
 
+async def synced_then_stopped(runtime: Runtime, tmp_path: Path, *, versions: bool, after: str, seen: int) -> Path:
+    """A corpus synced once, then a forward walk that stopped after ``after`` (``seen`` items listed):
+    the next sync resumes it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    connection_id = CountingFolder(corpus).connection_id
+    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=versions))).ok
+    await runtime.store.cursors.begin(connection_id, "download")
+    await runtime.store.cursors.advance(connection_id, "download", after, seen)
+    return corpus
+
+
 async def index_of(runtime: Runtime, connection_id: str) -> list[tuple[str, str, int, str]]:
     rows = await runtime.pool.fetch(
         "SELECT d.source, d.content_hash, c.ordinal, c.text FROM documents d JOIN chunks c ON c.document_id = d.id"
@@ -242,15 +255,8 @@ async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime
 async def test_a_resumed_walk_examines_what_changed_behind_its_cursor(
     runtime: Runtime, tmp_path: Path, versions: bool
 ) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = await synced_then_stopped(runtime, tmp_path, versions=versions, after="a-10.md", seen=7)
     connection_id = CountingFolder(corpus).connection_id
-    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=versions))).ok
-    # A forward walk stopped after "a-10.md": the next sync resumes it.
-    cursors = runtime.store.cursors
-    await cursors.begin(connection_id, "download")
-    await cursors.advance(connection_id, "download", "a-10.md", 7)
     # Meanwhile, behind the cursor: a committed document is edited and a new one appears.
     (corpus / "a-01.md").write_text("# Doc 1\n\nEdited behind the cursor: orchidvault moved.\n")
     (corpus / "a-00.md").write_text("# New\n\nA new orchidvault page behind the cursor.\n")
@@ -302,14 +308,7 @@ class DescendingFolder(CountingFolder):
 async def test_a_listing_out_of_order_is_walked_in_full(
     runtime: Runtime, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
-    connection_id = CountingFolder(corpus).connection_id
-    assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=False))).ok
-    cursors = runtime.store.cursors
-    await cursors.begin(connection_id, "download")
-    await cursors.advance(connection_id, "download", "a-05.md", 4)
+    corpus = await synced_then_stopped(runtime, tmp_path, versions=False, after="a-05.md", seen=4)
 
     disordered = DescendingFolder(corpus, versions=False)
     report = await runtime.pipeline().sync(disordered)

@@ -9,11 +9,13 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import pytest
 
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
+from ragstream.storage.database import connect_pool
 
-__all__ = ["BoundFolder", "private_database"]
+__all__ = ["BoundFolder", "fetcher_database", "private_database"]
 
 
 class BoundFolder:
@@ -47,3 +49,21 @@ async def private_database(database_url: str) -> AsyncIterator[str]:
             await admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
     finally:
         await admin.close()
+
+
+@asynccontextmanager
+async def fetcher_database(
+    database_url: str, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch, **settings: str
+) -> AsyncIterator[asyncpg.Pool]:
+    """A private database, and the environment an in-process connector-fetcher reads its settings
+    from pointed at it (``settings`` as ``RAGSTREAM_<NAME>``); yields a pool on that database."""
+    async with private_database(database_url) as dsn:
+        monkeypatch.setenv("DATABASE_URL", dsn)
+        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+        for name, value in settings.items():
+            monkeypatch.setenv(f"RAGSTREAM_{name.upper()}", value)
+        pool = await connect_pool(dsn)
+        try:
+            yield pool
+        finally:
+            await pool.close()
