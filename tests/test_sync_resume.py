@@ -55,20 +55,22 @@ class CountingFolder(FolderConnector):
         return content
 
 
-def write_corpus(folder: Path) -> None:
-    # Names that sort differently as paths than as names ("a-b" < "a.md" < "a/"): the cursor must hold.
+def write_corpus(tmp_path: Path) -> Path:
+    """The test corpus under ``tmp_path``. Its names sort differently as paths than as names
+    ("a-b" < "a.md" < "a/"): the cursor must hold."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
     (folder / "a").mkdir()
     for index in range(DOCUMENTS):
         name = f"a/doc-{index:02}.md" if index % 3 == 0 else f"a-{index:02}.md"
         (folder / name).write_text(f"# Doc {index}\n\nResume term orchidvault number {index}.\n\nMore text {index}.\n")
+    return folder
 
 
 async def synced_then_stopped(runtime: Runtime, tmp_path: Path, *, versions: bool, after: str, seen: int) -> Path:
     """A corpus synced once, then a forward walk that stopped after ``after`` (``seen`` items listed):
     the next sync resumes it."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(tmp_path)
     connection_id = CountingFolder(corpus).connection_id
     assert (await runtime.pipeline().sync(CountingFolder(corpus, versions=versions))).ok
     await runtime.store.cursors.begin(connection_id, "download")
@@ -89,9 +91,7 @@ async def index_of(runtime: Runtime, connection_id: str) -> list[tuple[str, str,
 async def test_an_interrupted_sync_resumes_without_downloading_again(
     runtime: Runtime, tmp_path: Path, versions: bool
 ) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(tmp_path)
     cursors = runtime.store.cursors
     down = CountingFolder(corpus, fail_after=7, versions=versions)
     connection_id = down.connection_id
@@ -164,9 +164,7 @@ class LostQueue:
 
 
 async def test_what_the_index_side_never_indexed_is_indexed_from_staging(runtime: Runtime, tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(tmp_path)
     connector = CountingFolder(corpus)
     # The process completed the download walk, then died with everything still in its queue.
     fetch = FetchService(runtime.store, connector, max_document_bytes=runtime.settings.max_document_bytes)
@@ -184,9 +182,7 @@ async def test_what_the_index_side_never_indexed_is_indexed_from_staging(runtime
 
 
 async def test_a_forward_sync_downloads_only_changes_and_finds_deletions(runtime: Runtime, tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(tmp_path)
     assert (await runtime.pipeline().sync(CountingFolder(corpus))).progress.direction == "backward"
 
     (corpus / "a-01.md").write_text("# Doc 1\n\nRewritten: orchidvault moved.\n")
@@ -201,9 +197,7 @@ async def test_a_forward_sync_downloads_only_changes_and_finds_deletions(runtime
 
 
 async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime, tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(tmp_path)
     connection_id = await register_folder(runtime.store, corpus)
     runs = SyncRunStore(runtime.pool, runtime.dsn)
     try:
@@ -275,9 +269,7 @@ async def test_a_resumed_walk_examines_what_changed_behind_its_cursor(
 
 
 async def test_a_staged_version_that_failed_for_good_is_not_announced_again(runtime: Runtime, tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(tmp_path)
     connector = CountingFolder(corpus)
     fetch = FetchService(runtime.store, connector, max_document_bytes=runtime.settings.max_document_bytes)
     await fetch.register()
