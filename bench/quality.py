@@ -31,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -44,15 +45,15 @@ import asyncpg
 import numpy as np
 
 from ragstream.chunking import MarkdownChunker
-from ragstream.embedding.base import TextKind, Vectors
-from ragstream.embedding.local import LocalUSEEmbedder
+from ragstream.embedding import create_embedder
+from ragstream.embedding.base import Embedder, TextKind, Vectors
 from ragstream.messages import ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.parsing import Parser
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchRequest
 from ragstream.retrieval.fusion import Fusion, convex_fusion, reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
-from ragstream.settings import Settings
+from ragstream.settings import EmbeddingSettings, Settings
 from ragstream.stages.embed import embedding_text
 from ragstream.stages.index import IndexService
 from ragstream.storage.citations import CitationStore
@@ -122,7 +123,7 @@ def load_data(
 # ------------------------------------------------------------------------------------------- ingest
 
 
-async def ingest(pool: asyncpg.Pool, embedder: LocalUSEEmbedder, answers: dict[str, str], batch: int = 256) -> float:
+async def ingest(pool: asyncpg.Pool, embedder: Embedder, answers: dict[str, str], batch: int = 256) -> float:
     """Index the answers not indexed yet; returns the seconds spent (0 when all were there)."""
     store = DocumentStore(pool)
     await store.ensure_connection(CONNECTION, "folder", "InsuranceQA v2 answers")
@@ -222,7 +223,7 @@ class QueryVectors:
     fused run then leaves out the embedder (reported separately as ``embed_query_ms``).
     """
 
-    def __init__(self, embedder: LocalUSEEmbedder) -> None:
+    def __init__(self, embedder: Embedder) -> None:
         self._embedder = embedder
         self._vectors: dict[str, np.ndarray] = {}
 
@@ -447,7 +448,7 @@ class Choice:
 class LanguageBench:
     """Every measurement of one language's index; the driver runs the languages side by side."""
 
-    def __init__(self, lang: str, pool: asyncpg.Pool, embedder: LocalUSEEmbedder, args: argparse.Namespace) -> None:
+    def __init__(self, lang: str, pool: asyncpg.Pool, embedder: Embedder, args: argparse.Namespace) -> None:
         self.lang, self.pool, self.args = lang, pool, args
         self.answers, self.queries = load_data(lang, args.split, args.limit, args.queries, args.skip_queries)
         self.embedder = embedder
@@ -741,10 +742,13 @@ async def database(base_dsn: str, name: str) -> str:
 
 async def run(base_dsn: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     pools, benches = [], []
-    embedder = LocalUSEEmbedder(threads=args.threads)
+    settings = EmbeddingSettings(provider=args.provider, model=args.model, threads=args.threads)
+    embedder = create_embedder(settings)
+    # The USE databases keep their first names; another model gets a database (and an index) of its own.
+    model = "" if args.provider == "local" else "_" + re.sub(r"[^a-z0-9]+", "_", embedder.model_key.lower())
     try:
         for lang in args.lang:
-            name = f"quality_{lang}" + (f"_{args.limit}" if args.limit else "")
+            name = f"quality_{lang}" + (f"_{args.limit}" if args.limit else "") + model
             pools.append(await connect_pool(await database(base_dsn, name), max_size=4))
             benches.append(LanguageBench(lang, pools[-1], embedder, args))
             await benches[-1].ingest()
@@ -773,6 +777,8 @@ def main() -> None:
     parser.add_argument("--ingest-only", action="store_true")
     parser.add_argument("--skip-ts-rank", action="store_true", help="do not measure the ts_rank_cd ranking")
     parser.add_argument("--threads", type=int, default=2, help="embedder threads")
+    parser.add_argument("--provider", choices=("local", "onnx"), default="local", help="local: USE; onnx: BGE")
+    parser.add_argument("--model", help="of the onnx provider: bge-small-zh-v1.5 (default) or bge-small-en-v1.5")
     parser.add_argument("--k1", type=float, default=DEFAULTS.bm25_k1, help="BM25 k1 of the keyword leg")
     parser.add_argument("--b", type=float, default=DEFAULTS.bm25_b, help="BM25 b of the keyword leg")
     parser.add_argument("--bigram-weight", type=float, default=DEFAULTS.bm25_bigram_weight, help="BM25 bigram weight")

@@ -39,16 +39,21 @@ class StageRetrySettings(BaseSettings):
 
 
 class EmbeddingSettings(BaseSettings):
-    """Which embedder runs; ``local`` needs no network, ``dashscope`` and ``openai`` need a key."""
+    """Which embedder runs: ``local`` (USE) needs no network, ``onnx`` (BGE) fetches its model once
+    from Maven Central, ``dashscope`` and ``openai`` need a key."""
 
     model_config = SettingsConfigDict(env_prefix="RAGSTREAM_EMBEDDER_")
 
-    provider: Annotated[Literal["local", "dashscope", "openai"], Field(title="Embedding provider")] = "local"
+    provider: Annotated[Literal["local", "onnx", "dashscope", "openai"], Field(title="Embedding provider")] = "local"
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", description="Provider default when unset.")] = None
     base_url: Annotated[str | None, Field(title="Endpoint base URL")] = None
     api_key: Annotated[SecretStr | None, Field(title="API key")] = None
     threads: Annotated[int, Field(title="CPU threads of the local model", ge=1)] = 2
+    model_dir: Annotated[
+        Path,
+        Field(title="Model folder", description="Where the onnx provider keeps the models it fetched."),
+    ] = Field(default_factory=lambda: Path.home() / ".cache" / "ragstream" / "models")
 
 
 class Settings(BaseSettings):

@@ -14,6 +14,10 @@ def create_embedder(settings: EmbeddingSettings) -> Embedder:
         from ragstream.embedding.local import LocalUSEEmbedder
 
         return LocalUSEEmbedder(threads=settings.threads)
+    if settings.provider == "onnx":
+        from ragstream.embedding.onnx import OnnxEmbedder
+
+        return OnnxEmbedder(settings.model or "bge-small-zh-v1.5", settings.model_dir, threads=settings.threads)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     if settings.provider == "dashscope":
         from ragstream.embedding.dashscope import DEFAULT_BASE_URL, DashScopeEmbedder
