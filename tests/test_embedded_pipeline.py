@@ -6,13 +6,16 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import docx
 import pytest
 
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
+from ragstream.parsing import DOCX, PDF
 from ragstream.pipeline import SyncReport
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
+from tests.support.documents import pdf_with_text
 
 pytestmark = pytest.mark.integration
 
@@ -119,6 +122,31 @@ async def test_bad_documents_fail_alone_with_their_reason(runtime: Runtime, corp
     (corpus / "latin1.md").write_text("café crème, now in UTF-8")
     fixed = await sync(runtime, corpus)
     assert "latin1.md" not in {failure.source for failure in fixed.failures}
+
+
+async def test_pdf_and_word_documents_are_indexed_with_their_sections(runtime: Runtime, corpus: Path) -> None:
+    report_doc = docx.Document()
+    report_doc.add_heading("Expense policy", level=1)
+    report_doc.add_heading("Hotels", level=2)
+    report_doc.add_paragraph("A hotel night is refunded up to the quillwort limit.")
+    report_doc.save(corpus / "policy.docx")
+    (corpus / "harbor.pdf").write_bytes(pdf_with_text("The marrowfat gateway\nlistens on port 7411.", title="Harbor"))
+    (corpus / "broken.pdf").write_bytes(b"%PDF-1.4 and then nothing")
+
+    report = await sync(runtime, corpus)
+
+    assert {failure.source: failure.code for failure in report.failures} == {"broken.pdf": "malformed"}
+    assert await sources_for(runtime, corpus, "quillwort limit") == ["policy.docx"]
+    assert await sources_for(runtime, corpus, "marrowfat gateway") == ["harbor.pdf"]
+    rows = await runtime.pool.fetch(
+        "SELECT d.source, d.title, d.media_type, c.heading FROM chunks c JOIN documents d ON d.id = c.document_id"
+        " WHERE d.connection_id = $1 ORDER BY 1",
+        FolderConnector(corpus).connection_id,
+    )
+    assert [tuple(row) for row in rows] == [
+        ("harbor.pdf", "Harbor", PDF, ""),
+        ("policy.docx", "Expense policy", DOCX, "Expense policy"),
+    ]
 
 
 class VanishingFolder(FolderConnector):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import io
 
-from ragstream.parsing import ParseError, ParseErrorCode, Parser, media_type_for
+import docx
+import pytest
+from pypdf import PdfWriter
+
+from ragstream.parsing import DOCX, PDF, ParseError, ParseErrorCode, Parser, media_type_for, unwrap_lines
+from tests.support.documents import docx_bytes, pdf_with_text
 
 
 @pytest.mark.parametrize(
@@ -16,7 +21,9 @@ from ragstream.parsing import ParseError, ParseErrorCode, Parser, media_type_for
         (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "text/markdown", ParseErrorCode.BINARY),
         (b"x" * 101, "text/markdown", ParseErrorCode.TOO_LARGE),
         (b"<html><head><title>t</title></head><body></body></html>", "text/html", ParseErrorCode.EMPTY),
-        (b"%PDF-1.7", "application/pdf", ParseErrorCode.UNSUPPORTED),
+        (b"%PDF-1.7 cut short", PDF, ParseErrorCode.MALFORMED),
+        (b"PK\x03\x04 not really a zip", DOCX, ParseErrorCode.MALFORMED),
+        (b"{\\rtf1 old Word}", "application/rtf", ParseErrorCode.UNSUPPORTED),
     ],
 )
 def test_unreadable_documents_are_rejected_with_a_reason(content: bytes, media_type: str, code: str) -> None:
@@ -46,14 +53,90 @@ def test_plain_text_keeps_the_file_name_as_title() -> None:
     assert Parser().run(b"just text", "text/plain", "notes").title == "notes"
 
 
+def test_pdf_text_of_every_page_with_its_title() -> None:
+    parsed = Parser().run(
+        pdf_with_text("Harbor guide\nThe gateway listens\non port 7411.", "Rotate keys yearly.", title="Harbor"),
+        PDF,
+        "harbor.pdf",
+    )
+    assert parsed.title == "Harbor"
+    # Layout line breaks inside a paragraph become spaces; pages become paragraphs.
+    assert "The gateway listens on port 7411." in parsed.markdown
+    assert parsed.markdown.endswith("\n\nRotate keys yearly.")
+    assert Parser().run(pdf_with_text("No title here."), PDF, "fallback.pdf").title == "fallback.pdf"
+
+
+def test_pdf_without_text_or_with_a_password_is_rejected_with_its_reason() -> None:
+    blank = PdfWriter()
+    blank.add_blank_page(612, 792)
+    out = io.BytesIO()
+    blank.write(out)
+    with pytest.raises(ParseError, match="no text layer") as empty:
+        Parser().run(out.getvalue(), PDF, "scan.pdf")
+    assert empty.value.code == ParseErrorCode.EMPTY
+
+    locked = PdfWriter(clone_from=io.BytesIO(pdf_with_text("Secret plans.")))
+    locked.encrypt("hunter2", algorithm="AES-256")
+    out = io.BytesIO()
+    locked.write(out)
+    with pytest.raises(ParseError) as encrypted:
+        Parser().run(out.getvalue(), PDF, "locked.pdf")
+    assert encrypted.value.code == ParseErrorCode.ENCRYPTED
+
+
+def test_pdf_encrypted_only_against_editing_is_read() -> None:
+    owner_only = PdfWriter(clone_from=io.BytesIO(pdf_with_text("Open to read.")))
+    owner_only.encrypt(user_password="", owner_password="owner", algorithm="AES-128")
+    out = io.BytesIO()
+    owner_only.write(out)
+    assert "Open to read." in Parser().run(out.getvalue(), PDF, "open.pdf").markdown
+
+
+def test_pdf_line_breaks_between_cjk_characters_take_no_space() -> None:
+    text = "报销单需在费用\n发生后三十天内提交。\nSee form\nA-7.\n\n下一段"
+    assert unwrap_lines(text) == "报销单需在费用发生后三十天内提交。 See form A-7.\n\n下一段"
+
+
+def test_docx_headings_lists_and_tables_become_markdown() -> None:
+    document = docx.Document()
+    document.core_properties.title = "报销制度"
+    document.add_heading("报销制度", level=1)
+    document.add_paragraph("报销单需在费用发生后三十天内提交。")
+    document.add_heading("Limits", level=2)
+    document.add_paragraph("Taxis are refunded", style="List Bullet")
+    table = document.add_table(rows=2, cols=2)
+    for row, values in zip(table.rows, (("Item", "Limit"), ("Hotel", "800 | night")), strict=True):
+        for cell, value in zip(row.cells, values, strict=True):
+            cell.text = value
+    document.add_paragraph("")
+    parsed = Parser().run(docx_bytes(document), DOCX, "policy.docx")
+    assert parsed.title == "报销制度"
+    assert parsed.markdown == (
+        "# 报销制度\n\n报销单需在费用发生后三十天内提交。\n\n## Limits\n\n- Taxis are refunded\n\n"
+        "| Item | Limit |\n| --- | --- |\n| Hotel | 800 \\| night |"
+    )
+    untitled = docx.Document()
+    untitled.add_paragraph("   ")
+    with pytest.raises(ParseError) as empty:
+        Parser().run(docx_bytes(untitled), DOCX, "blank.docx")
+    assert empty.value.code == ParseErrorCode.EMPTY
+
+
 @pytest.mark.parametrize(
     ("name", "media_type"),
-    [("a.md", "text/markdown"), ("B.MARKDOWN", "text/markdown"), ("c.txt", "text/plain"), ("d.htm", "text/html")],
+    [
+        ("a.md", "text/markdown"),
+        ("B.MARKDOWN", "text/markdown"),
+        ("c.txt", "text/plain"),
+        ("d.htm", "text/html"),
+        ("e.PDF", PDF),
+        ("f.docx", DOCX),
+    ],
 )
 def test_media_types_by_extension(name: str, media_type: str) -> None:
     assert media_type_for(name) == media_type
 
 
-@pytest.mark.parametrize("name", ["image.png", "noextension", "archive.tar.gz"])
+@pytest.mark.parametrize("name", ["image.png", "noextension", "archive.tar.gz", "old.doc"])
 def test_other_files_are_not_read(name: str) -> None:
     assert media_type_for(name) is None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["ParseError", "ParseErrorCode", "ParsedDocument", "Parser", "media_type_for"]
+__all__ = ["DOCX", "PDF", "ParseError", "ParseErrorCode", "ParsedDocument", "Parser", "media_type_for", "unwrap_lines"]
 
+PDF = "application/pdf"
+DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
 _MEDIA_TYPES = {
     ".md": "text/markdown",
     ".markdown": "text/markdown",
@@ -15,11 +18,20 @@ _MEDIA_TYPES = {
     ".text": "text/plain",
     ".html": "text/html",
     ".htm": "text/html",
+    ".pdf": PDF,
+    ".docx": DOCX,
 }
 _CONTROL = re.compile(rb"[\x00-\x08\x0e-\x1f]")
 _H1 = re.compile(r"^#\s+(.+?)\s*#*\s*$", re.MULTILINE)
 _HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
-_HTML_NOISE = re.compile(r"<(script|style|head|nav|noscript)\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
+# Not the page's text: code, the head, and the site's navigation, sidebars and footers.
+_HTML_NOISE = re.compile(
+    r"<(script|style|head|nav|noscript|aside|footer)\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL
+)
+_CJK = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
+_CJK_LINE_BREAK = re.compile(f"(?<=[{_CJK}])[ \t]*\n[ \t]*(?=[{_CJK}])")
+_LINE_BREAK = re.compile(r"(?<=\S)[ \t]*\n[ \t]*(?=\S)")
+_HEADING_STYLE = re.compile(r"^Heading ([1-6])$")
 
 
 def media_type_for(name: str) -> str | None:
@@ -35,6 +47,7 @@ class ParseErrorCode(StrEnum):
     INVALID_UTF8 = "invalid_utf8"
     UNSUPPORTED = "unsupported_type"
     MALFORMED = "malformed"
+    ENCRYPTED = "encrypted"
 
 
 class ParseError(Exception):
@@ -53,7 +66,10 @@ class ParsedDocument:
 
 
 class Parser:
-    """Decodes and normalises md, txt and html; rejects what would index as garbage."""
+    """Decodes and normalises md, txt, html, pdf and docx; rejects what would index as garbage.
+
+    Synchronous and CPU-bound (a long PDF takes seconds): async callers run it in a thread.
+    """
 
     def __init__(self, max_bytes: int = 16 * 1024 * 1024) -> None:
         self._max_bytes = max_bytes
@@ -61,6 +77,10 @@ class Parser:
     def run(self, content: bytes, media_type: str, fallback_title: str) -> ParsedDocument:
         if len(content) > self._max_bytes:
             raise ParseError(ParseErrorCode.TOO_LARGE, f"{len(content)} bytes is over the limit of {self._max_bytes}")
+        if media_type == PDF:
+            return _from_pdf(content, fallback_title)
+        if media_type == DOCX:
+            return _from_docx(content, fallback_title)
         text = self._decode(content)
         if not text.strip():
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text")
@@ -106,3 +126,75 @@ class Parser:
             h1 = _H1.search(markdown)
             title = h1.group(1).strip() if h1 else fallback_title
         return ParsedDocument(title, markdown)
+
+
+def unwrap_lines(text: str) -> str:
+    """Join the lines a PDF's layout broke a paragraph into: no space between two CJK characters
+    (Chinese takes none, and a stray one would split its keyword bigrams), a space elsewhere.
+    Blank lines, the paragraph breaks, stay."""
+    return _LINE_BREAK.sub(" ", _CJK_LINE_BREAK.sub("", text))
+
+
+def _from_pdf(content: bytes, fallback_title: str) -> ParsedDocument:
+    """The text layer of every page; a scan without one is empty, not garbage from an OCR guess."""
+    # Imported lazily, like markdownify: only PDF sources need pypdf.
+    from pypdf import PdfReader
+
+    try:
+        reader = PdfReader(io.BytesIO(content))
+        # Many PDFs are encrypted only against editing, with an empty password to open them.
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise ParseError(ParseErrorCode.ENCRYPTED, "the PDF needs a password to open")
+        pages = [page.extract_text() or "" for page in reader.pages]
+        title = str(reader.metadata.title or "").strip() if reader.metadata else ""
+    except ParseError:
+        raise
+    except Exception as error:  # pypdf raises many types for broken files (PdfReadError, KeyError, ...)
+        raise ParseError(ParseErrorCode.MALFORMED, f"the PDF could not be read: {error}") from error
+    paragraphs = [unwrap_lines(page.strip()) for page in pages]
+    markdown = re.sub(r"\n{3,}", "\n\n", "\n\n".join(text for text in paragraphs if text))
+    if not markdown.strip():
+        raise ParseError(ParseErrorCode.EMPTY, "the PDF has no text layer (a scan? run OCR on it first)")
+    return ParsedDocument(title or fallback_title, markdown)
+
+
+def _from_docx(content: bytes, fallback_title: str) -> ParsedDocument:
+    """Paragraphs and tables in document order; Word's heading styles become Markdown headings, so
+    chunks keep their section path."""
+    import docx
+    from docx.table import Table
+
+    try:
+        document = docx.Document(io.BytesIO(content))
+        blocks: list[str] = []
+        for block in document.iter_inner_content():
+            if isinstance(block, Table):
+                rows = [[cell.text.strip().replace("|", "\\|") for cell in row.cells] for row in block.rows]
+                if rows:
+                    lines = ["| " + " | ".join(row) + " |" for row in rows]
+                    lines.insert(1, "|" + " --- |" * len(rows[0]))
+                    blocks.append("\n".join(lines))
+                continue
+            text = block.text.strip()
+            if not text:
+                continue
+            style = block.style.name if block.style is not None else ""
+            level = _HEADING_STYLE.match(style or "")
+            if style == "Title":
+                blocks.append(f"# {text}")
+            elif level:
+                blocks.append(f"{'#' * int(level.group(1))} {text}")
+            elif (style or "").startswith("List"):
+                blocks.append(f"- {text}")
+            else:
+                blocks.append(text)
+        title = (document.core_properties.title or "").strip()
+    except Exception as error:  # not a zip, not a Word package, a broken part: python-docx raises each its way
+        raise ParseError(ParseErrorCode.MALFORMED, f"the Word document could not be read: {error}") from error
+    markdown = "\n\n".join(blocks)
+    if not markdown.strip():
+        raise ParseError(ParseErrorCode.EMPTY, "the Word document has no text")
+    if not title:
+        h1 = _H1.search(markdown)
+        title = h1.group(1).strip() if h1 else fallback_title
+    return ParsedDocument(title, markdown)

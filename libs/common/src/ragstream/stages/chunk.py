@@ -64,7 +64,7 @@ class ChunkService:
         self, content: bytes, media_type: str, title: str, chunker: Chunker
     ) -> tuple[str, list[ChunkPayload]]:
         """Parse and chunk one document's content: its parsed title and its chunks (never none)."""
-        parsed = self._parser.run(content, media_type, title)
+        parsed = await asyncio.to_thread(self._parser.run, content, media_type, title)
         chunks = await chunker.run_async(parsed)
         if not chunks:
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text to index")
