@@ -448,3 +448,34 @@ async def test_the_command_shows_progress_and_switches(
         timeout=300,
     )
     assert missing.returncode == 1 and "cannot re-chunk" in missing.stderr
+
+
+async def test_ingest_with_another_chunker_rechunks_the_indexed_files_first(
+    runtime: Runtime, corpus_connection: tuple[Path, str], database_url: str
+) -> None:
+    folder, connection = corpus_connection
+    (folder / "added.md").write_text(document("added", "A file the ingest itself indexes, with the new config."))
+    env = {**os.environ, "DATABASE_URL": database_url, "COLUMNS": "160"}
+    options = ["--chunker", "recursive", "--chunk-size", "200", "--chunk-overlap", "0"]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "ragstream.cli", "ingest", str(folder), *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "search now uses index version" in done.stderr
+    files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
+    await assert_one_clean_version(runtime, connection, files)
+    # Once stored, the same options only sync.
+    again = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "ragstream.cli", "ingest", str(folder), *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0 and "re-chunk" not in again.stderr, again.stderr

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ragstream.api.syncs import status_label
-from ragstream.chunking import parse_chunking
+from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import RunOutcome, SyncRunner
@@ -138,13 +138,16 @@ def _chunking_config(
 
 @app.command()
 def ingest(
-    path: Annotated[Path, typer.Argument(help="Folder of md, txt and html files", exists=True, file_okay=False)],
+    path: Annotated[
+        Path, typer.Argument(help="Folder of md, txt, html, pdf and docx files", exists=True, file_okay=False)
+    ],
     chunker: Annotated[
         Literal["markdown", "token", "recursive", "semantic"] | None,
         typer.Option(
             "--chunker",
-            help="Chunking of this folder's connection, stored and kept for later syncs. Applies to new and "
-            "changed files only: already indexed files keep their chunks. Unset: the stored choice, else markdown.",
+            help="Chunking of this folder's connection, stored and kept for later syncs. When it differs from "
+            "the stored one, the indexed files are re-chunked first (as `ragstream rechunk`, search going on). "
+            "Unset: the stored choice, else markdown.",
         ),
     ] = None,
     chunk_size: Annotated[
@@ -172,7 +175,20 @@ def ingest(
     """Sync a folder: new and changed files are indexed, deleted ones removed. Exit 1 if any failed, if the
     sync itself failed, or if one of this folder was already running."""
     config = _chunking_config(chunker, chunk_size, chunk_overlap, semantic_threshold, semantic_amount)
-    outcome = _run(lambda runtime: _sync_folder(runtime, path.resolve(), config=config))
+    folder = path.resolve()
+
+    async def run(runtime: Runtime) -> RunOutcome:
+        if config is not None:
+            connection_id = FolderConnector(folder).connection_id
+            wanted = parse_chunking(config["chunking"])
+            current, _ = await runtime.chunker.config_for(connection_id)
+            # Already indexed files would otherwise keep chunks of the old config next to new ones.
+            stale = wanted != current and bool(await runtime.store.committed(connection_id))
+            if stale and not await _rechunk(runtime, connection_id, wanted):
+                return RunOutcome(None, None)
+        return await _sync_folder(runtime, folder, config=config)
+
+    outcome = _run(run)
     assert isinstance(outcome, RunOutcome)
     raise typer.Exit(0 if outcome.report is not None and outcome.report.ok else 1)
 
@@ -321,28 +337,30 @@ def rechunk(
     folder = Path(connection)
     connection_id = FolderConnector(folder).connection_id if folder.is_dir() else connection
 
-    async def run(runtime: Runtime) -> bool:
-        with _progress_bar("docs") as bar:
-            task = bar.add_task(f"re-chunk {connection_id}", total=None, rate=0.0)
+    raise typer.Exit(0 if _run(lambda runtime: _rechunk(runtime, connection_id, chunking)) else 1)
 
-            def show(progress: RechunkProgress) -> None:
-                bar.update(task, total=progress.documents_total, completed=progress.documents_done, rate=progress.rate)
 
-            try:
-                result = await runtime.rechunker().run(connection_id, chunking, show)
-            except (RechunkBusy, UnknownConnection) as error:
-                console.print(f"[red]cannot re-chunk {connection_id}: {error}[/]", highlight=False)
-                return False
-        if result.status == "switched":
-            console.print(
-                f"{connection_id}: search now uses index version {result.index_version}"
-                f" ({result.chunks} chunks of {result.documents_done} documents)"
-            )
-        else:
-            console.print(f"[red]re-chunk failed, still searching the previous chunks: {result.error}[/]")
-        return result.status == "switched"
+async def _rechunk(runtime: Runtime, connection_id: str, chunking: ChunkingConfig) -> bool:
+    """Re-chunk in the foreground with a progress bar; True when it switched."""
+    with _progress_bar("docs") as bar:
+        task = bar.add_task(f"re-chunk {connection_id}", total=None, rate=0.0)
 
-    raise typer.Exit(0 if _run(run) else 1)
+        def show(progress: RechunkProgress) -> None:
+            bar.update(task, total=progress.documents_total, completed=progress.documents_done, rate=progress.rate)
+
+        try:
+            result = await runtime.rechunker().run(connection_id, chunking, show)
+        except (RechunkBusy, UnknownConnection) as error:
+            console.print(f"[red]cannot re-chunk {connection_id}: {error}[/]", highlight=False)
+            return False
+    if result.status == "switched":
+        console.print(
+            f"{connection_id}: search now uses index version {result.index_version}"
+            f" ({result.chunks} chunks of {result.documents_done} documents)"
+        )
+    else:
+        console.print(f"[red]re-chunk failed, still searching the previous chunks: {result.error}[/]")
+    return result.status == "switched"
 
 
 @app.command()

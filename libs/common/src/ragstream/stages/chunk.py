@@ -41,13 +41,18 @@ class ChunkService:
         self._chunkers: dict[ChunkingConfig, Chunker] = {}
         self._building = asyncio.Lock()
 
-    async def chunker_for(self, connection_id: str) -> tuple[Chunker, int]:
-        """The connection's chunker and the index version its chunks belong to."""
+    async def config_for(self, connection_id: str) -> tuple[ChunkingConfig, int]:
+        """The connection's chunking config (its own, else the default) and the index version its
+        chunks belong to."""
         stored, index_version = await self._store.chunking_of(connection_id)
         try:
-            config = self._default if stored is None else parse_chunking(stored)
+            return (self._default if stored is None else parse_chunking(stored)), index_version
         except ValidationError as error:
             raise ValueError(f"connection {connection_id} has an invalid chunking config: {error}") from error
+
+    async def chunker_for(self, connection_id: str) -> tuple[Chunker, int]:
+        """The connection's chunker and the index version its chunks belong to."""
+        config, index_version = await self.config_for(connection_id)
         return await self.chunker(config), index_version
 
     async def chunker(self, config: ChunkingConfig) -> Chunker:
