@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol, get_args
 
@@ -172,15 +172,40 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         await context.abort(*failure)
 
 
+async def _report_health(
+    servicer: health.aio.HealthServicer, ready: Callable[[], Awaitable[bool]] | None, interval_s: float
+) -> None:
+    """Keep the health status of the server ("") and of the Retrieval service equal to ``ready()``
+    (always SERVING without one), checked every ``interval_s`` seconds."""
+    while True:
+        try:
+            serving = ready is None or await ready()
+        except Exception:  # a readiness check that fails (database down) means not ready, not a crash
+            serving = False
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await servicer.set(service, status)
+        if ready is None:
+            return
+        await asyncio.sleep(interval_s)
+
+
 @asynccontextmanager
 async def grpc_server(
-    retriever: Callable[[], Searcher | None], *, host: str, port: int, grace_s: float = 5.0
+    retriever: Callable[[], Searcher | None],
+    *,
+    host: str,
+    port: int,
+    ready: Callable[[], Awaitable[bool]] | None = None,
+    health_interval_s: float = 5.0,
+    grace_s: float = 5.0,
 ) -> AsyncIterator[int]:
     """Serve the Retrieval service, health checking and reflection on ``host:port`` (port 0: a free
     one) until the block exits, and yield the bound port. A port that cannot be bound raises.
 
-    Health reports SERVING for the server ("") and for ``ragstream.v1.Retrieval`` while the block runs,
-    and NOT_SERVING during the ``grace_s`` in which calls in flight may finish."""
+    Health (for the server "" and for ``ragstream.v1.Retrieval``) follows ``ready`` like the HTTP
+    ``/readyz``, so a Kubernetes ``grpc`` readiness probe means the same; it is NOT_SERVING during the
+    ``grace_s`` in which calls in flight may finish."""
     server = grpc.aio.server()
     retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever), server)
     health_servicer = health.aio.HealthServicer()
@@ -188,10 +213,11 @@ async def grpc_server(
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     await server.start()
+    reporter = asyncio.create_task(_report_health(health_servicer, ready, health_interval_s))
     try:
-        for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         yield bound
     finally:
+        reporter.cancel()
+        await asyncio.gather(reporter, return_exceptions=True)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace_s)
