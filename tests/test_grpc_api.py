@@ -30,6 +30,7 @@ from ragstream.retrieval import ChatTurn, Principal, SearchFilters, SearchReques
 from ragstream.runtime import Runtime
 from ragstream.storage.documents import document_id
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.support.grpc_client import result_dict
 
 pytestmark = pytest.mark.integration
 
@@ -114,14 +115,6 @@ def message_of(request: SearchRequest) -> retrieval_pb2.SearchRequest:
     )
 
 
-def as_dict(result: retrieval_pb2.SearchResult) -> dict[str, Any]:
-    """The result as the HTTP API's JSON has it: an unset optional field is null."""
-    return {
-        name: getattr(result, name) if not field.has_presence or result.HasField(name) else None
-        for name, field in result.DESCRIPTOR.fields_by_name.items()
-    }
-
-
 def rest(response: retrieval_pb2.SearchResponse) -> dict[str, Any]:
     """The response fields besides the results and the timing."""
     return {
@@ -159,7 +152,7 @@ async def test_search_answers_as_the_http_api_with_filters_and_acl(
             assert expected.status_code == 200, expected.text
             answer = await served.stub.Search(message_of(request), timeout=30)
             body = expected.json()
-            assert [as_dict(result) for result in answer.results] == body["results"], name
+            assert [result_dict(result) for result in answer.results] == body["results"], name
             assert rest(answer) == {key: body[key] for key in rest(answer)}, name
             answers[name] = answer
         batch = await served.stub.SearchBatch(
@@ -186,8 +179,8 @@ async def test_search_answers_as_the_http_api_with_filters_and_acl(
     assert answers["finance"].results[0].document_id == indexed.salaries
     assert set(sources("source")) == {"zh/qingjia.md"}
     assert not answers["platform"].results and not answers["empty list"].results
-    assert [[as_dict(result) for result in response.results] for response in batch.responses] == [
-        [as_dict(result) for result in answer.results] for answer in answers.values()
+    assert [[result_dict(result) for result in response.results] for response in batch.responses] == [
+        [result_dict(result) for result in answer.results] for answer in answers.values()
     ]
 
 
