@@ -328,6 +328,14 @@ async def test_health_follows_readiness_and_reflection_lists_the_service(runtime
         assert SERVICE_NAME in await asyncio.to_thread(services)
 
 
+async def test_a_taken_port_fails_to_bind_instead_of_sharing_it() -> None:
+    async with serving(lambda: None) as served:
+        port = int(served.address.rsplit(":", 1)[1])
+        with pytest.raises(RuntimeError, match="bind"):
+            async with grpc_server(lambda: None, host="127.0.0.1", port=port):
+                pass
+
+
 def test_request_messages_become_the_http_models() -> None:
     message = retrieval_pb2.SearchRequest(
         query="年假 leave",

@@ -206,7 +206,9 @@ async def grpc_server(
     Health (for the server "" and for ``ragstream.v1.Retrieval``) follows ``ready`` like the HTTP
     ``/readyz``, so a Kubernetes ``grpc`` readiness probe means the same; it is NOT_SERVING during the
     ``grace_s`` in which calls in flight may finish."""
-    server = grpc.aio.server()
+    # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start and silently take
+    # a share of the calls (another `ragstream up` with another store). Off, binding it fails instead.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
