@@ -284,19 +284,29 @@ async def test_the_deadline_cancels_the_search(runtime: Runtime, indexed: Indexe
 
 
 class BrokenRetriever:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
     async def search(self, request: SearchRequest) -> SearchResponse:
-        raise RuntimeError("connection to postgres://app:hunter2@db failed")
+        raise self.error
 
 
-async def test_unavailable_until_open_and_internal_without_details() -> None:
-    message = invalid()
+async def test_unavailable_until_the_store_is_open() -> None:
     async with serving(lambda: None) as served:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await served.stub.Search(message, timeout=10)
+            await served.stub.Search(invalid(), timeout=10)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
-    async with serving(BrokenRetriever) as served:
+
+
+# A timeout inside the search (not the caller's deadline) is a failure like any other.
+@pytest.mark.parametrize(
+    "error", [RuntimeError("connection to postgres://app:hunter2@db failed"), TimeoutError("hunter2")]
+)
+async def test_a_failed_search_is_internal_without_details(error: Exception) -> None:
+    broken = BrokenRetriever(error)
+    async with serving(lambda: broken) as served:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await served.stub.Search(message, timeout=10)
+            await served.stub.Search(invalid(), timeout=10)
         assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INTERNAL, "search failed")
         assert "hunter2" not in str(raised.value)
 

@@ -154,18 +154,20 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         # grpc.aio cancels a handler whose deadline passed; the timeout makes the search stop at the
         # deadline even where that cancellation comes late, and answers with the proper status.
         remaining: float | None = context.time_remaining()
+        deadline = asyncio.timeout(remaining)
         responses: list[SearchResponse] = []
         try:
-            async with asyncio.timeout(remaining):
+            async with deadline:
                 for request in requests:
                     with SEARCH_LATENCY.time():
                         responses.append(await retriever.search(request))
-        except TimeoutError:
-            failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the search finished")
-        except Exception:
-            # The caller learns that it failed, not how: the log has the traceback.
-            logger.exception("gRPC search failed")
-            failure = (grpc.StatusCode.INTERNAL, "search failed")
+        except Exception as error:
+            if isinstance(error, TimeoutError) and deadline.expired():
+                failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the search finished")
+            else:  # a timeout of the search's own (a database call) is a failure like any other
+                # The caller learns that it failed, not how: the log has the traceback.
+                logger.exception("gRPC search failed")
+                failure = (grpc.StatusCode.INTERNAL, "search failed")
         else:
             return responses
         # Outside the handlers above: abort() raises, and must not be caught as a search failure.
