@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PACKAGES := -e libs/common $(foreach project,$(wildcard services/*/pyproject.toml),-e $(dir $(project)))
 export RAGSTREAM_DATA_DIR ?= $(CURDIR)/.data
 
-.PHONY: install system-deps run test lint bench bench-quality clean
+.PHONY: install system-deps run test lint proto bench bench-quality clean
 
 $(BIN)/ragstream: libs/common/pyproject.toml $(wildcard services/*/pyproject.toml) requirements-dev.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: install system-deps
 lint: install
 	$(BIN)/ruff check libs services tests bench
 	$(BIN)/mypy
+
+# The gRPC code generated from proto/ is checked in under libs/common/src; a test fails when it is stale.
+proto: install
+	$(BIN)/python scripts/generate_proto.py libs/common/src
 
 bench: install system-deps
 	$(BIN)/python -m bench.ingest

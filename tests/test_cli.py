@@ -13,10 +13,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
 from ragstream.connectors.folder import FolderConnector
+from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.support.grpc_client import result_dict
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +81,12 @@ def test_ingest_reports_progress_and_failures_then_search(database_url: str, cor
     assert run(["search"], env).returncode != 0
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture
 def data_dir() -> Iterator[Path]:
     # Under /tmp, not pytest's tmp_path: as root the embedded server runs as an unprivileged user.
@@ -88,13 +97,19 @@ def data_dir() -> Iterator[Path]:
 
 
 def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port, grpc_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
     env["RAGSTREAM_DATA_DIR"] = str(data_dir)
     process = subprocess.Popen(
-        [*RAGSTREAM, "up", str(REPO / "examples" / "knowledge-base"), "--port", str(port)],
+        [
+            *RAGSTREAM,
+            "up",
+            str(REPO / "examples" / "knowledge-base"),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -103,18 +118,24 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
         sources: list[str] = []
+        results: list[dict[str, object]] = []
         while time.monotonic() < deadline and process.poll() is None:
             try:
                 progress = httpx.get(f"{base}/v1/syncs", timeout=5).json()
                 if progress and all(p["listing_done"] and p["done"] == p["listed"] for p in progress.values()):
                     response = httpx.post(f"{base}/v1/search", json={"query": "出差住宿标准是多少？"}, timeout=30)
-                    sources = [result["source"] for result in response.json()["results"]]
+                    results = response.json()["results"]
+                    sources = [result["source"] for result in results]
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
         assert sources and sources[0] == "zh/chailv-biaozhun.md"
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            request = retrieval_pb2.SearchRequest(query="出差住宿标准是多少？")
+            answer = retrieval_pb2_grpc.RetrievalStub(channel).Search(request, timeout=30)
+        assert [result_dict(result) for result in answer.results] == results
         replayed = httpx.post(f"{base}/v1/replays", json={}, timeout=30)
         assert replayed.status_code == 200 and replayed.json()["replayed"] == 0, replayed.text
         assert httpx.post(f"{base}/v1/replays", json={"source": "dead-letter"}, timeout=30).status_code == 422

@@ -1,8 +1,9 @@
 """The five services as real processes over a real Kafka broker and PostgreSQL.
 
-Ingest a folder, find a chunk; edit a file, the new text is found and the old is gone; delete a
-file, it is gone. Then crash consumers between their durable output and their offset commit and
-show that nothing is lost and no chunk is duplicated; and replay dead letters once their cause is gone.
+Ingest a folder, find a chunk (over HTTP and the retriever's gRPC API); edit a file, the new text is
+found and the old is gone; delete a file, it is gone. Then crash consumers between their durable output
+and their offset commit and show that nothing is lost and no chunk is duplicated; and replay dead
+letters once their cause is gone.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import asyncpg
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ragstream.connectors.folder import FolderConnector
+from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.support.grpc_client import result_dict
 from tests.support.services import ServiceProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
@@ -124,6 +129,18 @@ def test_ingest_edit_delete_through_kafka(
     result = search(retriever, folder, "frobnicator port")[0]
     assert {"rank", "score", "citation_index", "document_id", "title", "source", "heading", "text"} <= set(result)
     assert (result["title"], result["source"]) == ("Alpha", "alpha.md")
+    # The retriever answers the same search over gRPC, and its gRPC health says it is serving.
+    with grpc.insecure_channel(f"127.0.0.1:{retriever.grpc_port}") as channel:
+        request = retrieval_pb2.SearchRequest(
+            query="frobnicator port",
+            filters=retrieval_pb2.SearchFilters(
+                connection_ids=retrieval_pb2.StringList(values=[FolderConnector(folder).connection_id])
+            ),
+        )
+        answer = retrieval_pb2_grpc.RetrievalStub(channel).Search(request, timeout=30)
+        assert [result_dict(result) for result in answer.results] == search(retriever, folder, "frobnicator port")
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
 
     for stage, topic in (("chunker", "doc.changed"), ("embedder", "doc.chunked"), ("indexer", "chunk.embedded")):
         metrics = httpx.get(f"{services[stage].url}/metrics", timeout=10).text

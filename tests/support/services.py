@@ -37,6 +37,10 @@ class ServiceProcess:
         self.name = name
         self.port = _free_port()
         self.env = {**os.environ, **env}
+        # The retriever also serves gRPC: on a port of its own, never the default one another run may hold.
+        self.grpc_port = _free_port()
+        if name == "retriever":
+            self.env.update(RAGSTREAM_GRPC_HOST="127.0.0.1", RAGSTREAM_GRPC_PORT=str(self.grpc_port))
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 

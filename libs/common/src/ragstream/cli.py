@@ -370,15 +370,19 @@ def up(
     ] = None,
     source: Annotated[list[Path] | None, typer.Option("--source", help="Folder to sync (repeatable)")] = None,
     port: Annotated[int, typer.Option("--port")] = 8080,
+    grpc_port: Annotated[
+        int,
+        typer.Option("--grpc-port", envvar="RAGSTREAM_GRPC_PORT", min=0, max=65535, help="gRPC API port; 0 disables"),
+    ] = 50051,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     sync_interval: Annotated[float, typer.Option("--sync-interval", help="Seconds between syncs; 0 syncs once")] = 3600,
 ) -> None:
-    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP API in this process. Each folder
-    becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
+    """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP and gRPC APIs in this process.
+    Each folder becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
     from ragstream.embedded import serve
 
     paths = [path.resolve() for path in [*(folders or []), *(source or [])]]
-    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval))
+    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port))
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")

@@ -1,16 +1,17 @@
-"""``ragstream up``: the HTTP API, the sync runner and the scheduler sharing one event loop."""
+"""``ragstream up``: the HTTP and gRPC APIs, the sync runner and the scheduler sharing one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import uvicorn
 from fastapi import HTTPException
 
 from ragstream.api.connections import connections_router
+from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.api.rechunk import rechunk_router
 from ragstream.api.reindex import reindex_router
@@ -32,9 +33,12 @@ from ragstream.storage.spaces import SpaceStore
 __all__ = ["serve"]
 
 
-async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, sync_interval: float) -> None:
+async def serve(
+    runtime: Runtime, sources: list[Path], host: str, port: int, sync_interval: float, *, grpc_port: int
+) -> None:
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
-    seconds (0: only now) through sync runs, like any connection created over the API."""
+    seconds (0: only now) through sync runs, like any connection created over the API. The HTTP API
+    listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC)."""
     settings = runtime.settings
     runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     runner = SyncRunner(
@@ -106,7 +110,8 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
             )
         )
     try:
-        await server.serve()
+        async with _grpc(runtime, host, grpc_port, ready):
+            await server.serve()
     finally:
         for task in background:
             task.cancel()
@@ -114,3 +119,13 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
         await runs.aclose()
         await reindexer.aclose()
         await rechunker.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _grpc(runtime: Runtime, host: str, port: int, ready: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
+    """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
+    if not port:
+        yield
+        return
+    async with grpc_server(lambda: runtime.retriever, host=host, port=port, ready=ready):
+        yield

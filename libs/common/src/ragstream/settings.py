@@ -170,6 +170,23 @@ class Settings(BaseSettings):
     scheduler_interval_s: Annotated[
         float, Field(title="Seconds between scheduler steps", description="How soon a due sync is queued.", gt=0)
     ] = 30
+    grpc_port: Annotated[
+        int,
+        Field(
+            title="Port of the retriever's gRPC API",
+            description="ragstream.v1.Retrieval with gRPC health checking and reflection; 0 disables it. "
+            "`ragstream up --grpc-port` reads it too.",
+            ge=0,
+            le=65535,
+        ),
+    ] = 50051
+    grpc_host: Annotated[
+        str,
+        Field(
+            title="Address the retriever service's gRPC API listens on",
+            description="All interfaces, as the HTTP API in its image; `ragstream up` uses its --host.",
+        ),
+    ] = "0.0.0.0"
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)

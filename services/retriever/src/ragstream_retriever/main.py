@@ -1,13 +1,14 @@
 """retriever service: ``POST /v1/search`` (vector + keyword, fused) and ``GET /v1/documents/{id}``, with
-health, readiness and metrics."""
+health, readiness and metrics; the same search over gRPC on ``RAGSTREAM_GRPC_PORT``."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
+from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime, open_runtime
@@ -37,15 +38,20 @@ def create_app() -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not settings.database_url:
             raise RuntimeError("DATABASE_URL must be set for the retriever service")
-        async with open_runtime(settings, settings.database_url) as runtime:
+        async with AsyncExitStack() as stack:
+            runtime = await stack.enter_async_context(open_runtime(settings, settings.database_url))
             await runtime.embedder.warm_up()
             state["runtime"] = runtime
             readers["reader"] = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
-            try:
-                yield
-            finally:
-                readers.clear()
-                state.clear()
+            stack.callback(state.clear)
+            stack.callback(readers.clear)
+            if settings.grpc_port:
+                await stack.enter_async_context(
+                    grpc_server(
+                        lambda: runtime.retriever, host=settings.grpc_host, port=settings.grpc_port, ready=ready
+                    )
+                )
+            yield
 
     app.router.lifespan_context = lifespan
     return app

@@ -1,1 +1,1 @@
-"""HTTP API of the retriever, also served by the embedded runner."""
+"""HTTP and gRPC APIs of the retriever, also served by the embedded runner."""

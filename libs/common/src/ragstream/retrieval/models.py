@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["ChatTurn", "Principal", "SearchFilters", "SearchRequest", "SearchResponse", "SearchResult"]
+__all__ = ["ChatTurn", "MetadataValue", "Principal", "SearchFilters", "SearchRequest", "SearchResponse", "SearchResult"]
 
 MetadataValue = str | int | float | bool
 
@@ -22,7 +22,8 @@ class Principal(BaseModel):
 
 
 class SearchFilters(BaseModel):
-    """Scope of a search; every list narrows it, an empty or missing list does not."""
+    """Scope of a search; every list given narrows it to its values (an empty one matches nothing), a
+    missing one does not."""
 
     connection_ids: Annotated[list[str] | None, Field(title="Only these connections")] = None
     platforms: Annotated[list[str] | None, Field(title="Only these platforms", description="folder, feishu, ...")] = (

@@ -1,0 +1,227 @@
+"""gRPC API of the retriever (``ragstream.v1.Retrieval``, proto/ragstream/v1/retrieval.proto), with
+gRPC health checking and server reflection.
+
+The servicer only translates: a request message becomes the HTTP API's :class:`SearchRequest` (so the
+limits and defaults are the same pydantic ones), the same ``HybridRetriever.search`` answers it, and
+the :class:`SearchResponse` becomes the reply message. Scope, ACL and citations are therefore exactly
+those of ``POST /v1/search``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal, Protocol, get_args
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+from typing_extensions import override
+
+from ragstream.metrics import SEARCH_LATENCY
+from ragstream.retrieval.models import MetadataValue, SearchRequest, SearchResponse
+from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+__all__ = [
+    "MAX_BATCH",
+    "SERVICE_NAME",
+    "InvalidRequest",
+    "RetrievalServicer",
+    "Searcher",
+    "grpc_server",
+    "search_request",
+    "search_response",
+]
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = retrieval_pb2.DESCRIPTOR.services_by_name["Retrieval"].full_name
+# 32 answers of at most 12,000 characters of text each (three bytes a CJK character) plus previews and
+# ids stay well under the 4 MB a gRPC client accepts by default.
+MAX_BATCH = 32
+
+_ROLES = {retrieval_pb2.ChatTurn.ROLE_USER: "user", retrieval_pb2.ChatTurn.ROLE_ASSISTANT: "assistant"}
+_ListField = Literal["connection_ids", "platforms", "knowledge_bases", "sources"]
+_LISTS: tuple[_ListField, ...] = get_args(_ListField)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class Searcher(Protocol):
+    """What the servicer calls: ``HybridRetriever``, or a wrapper around one."""
+
+    async def search(self, request: SearchRequest) -> SearchResponse: ...
+
+
+class InvalidRequest(ValueError):
+    """A request message the HTTP API would answer with 422; the message says where and why, without
+    echoing the input (it may be a long query or someone's history)."""
+
+
+def _metadata_value(key: str, value: retrieval_pb2.MetadataValue) -> MetadataValue:
+    kind = value.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(f"filters.metadata.{key}: no value set")
+    result: MetadataValue = getattr(value, kind)
+    return result
+
+
+def search_request(message: retrieval_pb2.SearchRequest) -> SearchRequest:
+    """The HTTP model of ``message``: unset optional fields stay unset, so the model's defaults apply.
+    Raises :class:`InvalidRequest` when the model rejects it."""
+    filters = message.filters
+    fields: dict[str, Any] = {
+        "query": message.query,
+        "filters": {
+            **{name: list(getattr(filters, name).values) for name in _LISTS if filters.HasField(name)},
+            "metadata": {key: _metadata_value(key, value) for key, value in filters.metadata.items()} or None,
+        },
+        # An unknown role becomes None, which the model rejects with the turn's position.
+        "history": [{"role": _ROLES.get(turn.role), "content": turn.content} for turn in message.history],
+    }
+    if message.HasField("top_k"):
+        fields["top_k"] = message.top_k
+    if message.HasField("conversation_id"):
+        fields["conversation_id"] = message.conversation_id
+    if message.HasField("principal"):
+        fields["principal"] = {"user": message.principal.user, "groups": list(message.principal.groups)}
+    try:
+        return SearchRequest.model_validate(fields)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}" for problem in error.errors()
+        )
+        raise InvalidRequest(problems) from None
+
+
+def search_response(response: SearchResponse) -> retrieval_pb2.SearchResponse:
+    """The reply message of ``response``; ``None`` fields stay unset (the proto's optional fields)."""
+    return retrieval_pb2.SearchResponse(
+        query=response.query,
+        rewritten_query=response.rewritten_query,
+        results=[retrieval_pb2.SearchResult(**result.model_dump()) for result in response.results],
+        reranked=response.reranked,
+        embedding_space=response.embedding_space,
+        took_ms=response.took_ms,
+    )
+
+
+class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
+    """``Search`` and ``SearchBatch`` over the retriever that ``retriever`` returns (``None`` while the
+    store is still opening: UNAVAILABLE, as the HTTP API's 503)."""
+
+    def __init__(self, retriever: Callable[[], Searcher | None]) -> None:
+        self._retriever = retriever
+
+    @override
+    async def Search(self, request: retrieval_pb2.SearchRequest, context: Context) -> retrieval_pb2.SearchResponse:
+        parsed = await self._parse([request], context)
+        (response,) = await self._search(parsed, context)
+        return search_response(response)
+
+    @override
+    async def SearchBatch(
+        self, request: retrieval_pb2.SearchBatchRequest, context: Context
+    ) -> retrieval_pb2.SearchBatchResponse:
+        if len(request.requests) > MAX_BATCH:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_BATCH} requests per batch, got {len(request.requests)}"
+            )
+        parsed = await self._parse(request.requests, context, batch=True)
+        responses = await self._search(parsed, context)
+        return retrieval_pb2.SearchBatchResponse(responses=[search_response(response) for response in responses])
+
+    @staticmethod
+    async def _parse(
+        messages: Sequence[retrieval_pb2.SearchRequest], context: Context, *, batch: bool = False
+    ) -> list[SearchRequest]:
+        parsed: list[SearchRequest] = []
+        for index, message in enumerate(messages):
+            try:
+                parsed.append(search_request(message))
+            except InvalidRequest as error:
+                where = f"requests[{index}]: " if batch else ""
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}{error}")
+        return parsed
+
+    async def _search(self, requests: list[SearchRequest], context: Context) -> list[SearchResponse]:
+        retriever = self._retriever()
+        if retriever is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the index is still starting")
+        # grpc.aio cancels a handler whose deadline passed; the timeout makes the search stop at the
+        # deadline even where that cancellation comes late, and answers with the proper status.
+        remaining: float | None = context.time_remaining()
+        deadline = asyncio.timeout(remaining)
+        responses: list[SearchResponse] = []
+        try:
+            async with deadline:
+                for request in requests:
+                    with SEARCH_LATENCY.time():
+                        responses.append(await retriever.search(request))
+        except Exception as error:
+            if isinstance(error, TimeoutError) and deadline.expired():
+                failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the search finished")
+            else:  # a timeout of the search's own (a database call) is a failure like any other
+                # The caller learns that it failed, not how: the log has the traceback.
+                logger.exception("gRPC search failed")
+                failure = (grpc.StatusCode.INTERNAL, "search failed")
+        else:
+            return responses
+        # Outside the handlers above: abort() raises, and must not be caught as a search failure.
+        await context.abort(*failure)
+
+
+async def _report_health(
+    servicer: health.aio.HealthServicer, ready: Callable[[], Awaitable[bool]] | None, interval_s: float
+) -> None:
+    """Keep the health status of the server ("") and of the Retrieval service equal to ``ready()``
+    (always SERVING without one), checked every ``interval_s`` seconds."""
+    while True:
+        try:
+            serving = ready is None or await ready()
+        except Exception:  # a readiness check that fails (database down) means not ready, not a crash
+            serving = False
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await servicer.set(service, status)
+        if ready is None:
+            return
+        await asyncio.sleep(interval_s)
+
+
+@asynccontextmanager
+async def grpc_server(
+    retriever: Callable[[], Searcher | None],
+    *,
+    host: str,
+    port: int,
+    ready: Callable[[], Awaitable[bool]] | None = None,
+    health_interval_s: float = 5.0,
+    grace_s: float = 5.0,
+) -> AsyncIterator[int]:
+    """Serve the Retrieval service, health checking and reflection on ``host:port`` (port 0: a free
+    one) until the block exits, and yield the bound port. A port that cannot be bound raises.
+
+    Health (for the server "" and for ``ragstream.v1.Retrieval``) follows ``ready`` like the HTTP
+    ``/readyz``, so a Kubernetes ``grpc`` readiness probe means the same; it is NOT_SERVING during the
+    ``grace_s`` in which calls in flight may finish."""
+    # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start and silently take
+    # a share of the calls (another `ragstream up` with another store). Off, binding it fails instead.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    await server.start()
+    reporter = asyncio.create_task(_report_health(health_servicer, ready, health_interval_s))
+    try:
+        yield bound
+    finally:
+        reporter.cancel()
+        await asyncio.gather(reporter, return_exceptions=True)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)
