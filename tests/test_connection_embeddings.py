@@ -401,3 +401,53 @@ async def test_a_deployment_wide_reindex_leaves_pinned_connections_and_their_tab
         (on_b, DASHSCOPE_KEY),
         (on_a, LOCAL_KEY),
     }
+
+
+async def test_a_cancelled_change_resumes_and_null_goes_back_to_the_default_dropping_the_unused_table(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    folder = write(tmp_path / "docs", PINNED_DOCS)
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1, progress_interval_s=0.1)
+    async with api(runtime, reindexer) as client:
+        connection = await create(client, folder)
+        await sync(runtime, connection, folder)
+        path = f"/v1/connections/{connection}"
+        assert (await client.get(f"{path}/reindex")).status_code == 404
+        fake_dashscope.delay_s = 0.5
+        patch = {"config": {"embedding": dashscope_spec(fake_dashscope)}}
+        assert (await client.patch(path, json=patch)).status_code == 200
+        assert (await client.delete(f"{path}/reindex")).status_code == 204
+        interrupted = (await client.get(f"{path}/reindex")).json()
+        assert interrupted["status"] == "interrupted"
+        assert (await client.delete(f"{path}/reindex")).status_code == 404  # nothing runs any more
+        assert "embedding" not in (await client.get(path)).json()["config"]
+        assert (await search(runtime, "rotate the keys", connection)).embedding_spaces == [LOCAL_KEY]
+
+        fake_dashscope.delay_s = 0.0
+        assert (await client.patch(path, json=patch)).status_code == 200  # resumes
+        body = await settled(client, f"{path}/reindex")
+        assert body["status"] == "switched" and body["chunks_embedded"] == len(PINNED_DOCS)
+        assert (await search(runtime, "rotate the keys", connection)).embedding_spaces == [DASHSCOPE_KEY]
+
+        # null: back to the default model, by the same mechanism; B's table serves nobody any more.
+        assert (await client.patch(path, json={"config": {"embedding": None}})).status_code == 200
+        body = await settled(client, f"{path}/reindex")
+        assert body["status"] == "switched", body
+        assert (body["source_key"], body["target_key"]) == (DASHSCOPE_KEY, LOCAL_KEY)
+        assert "embedding" not in (await client.get(path)).json()["config"]
+    assert set(await vectors(runtime, LOCAL_KEY, connection)) == await chunk_ids(runtime, connection)
+    assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
+    response = await search(runtime, "rotate the keys", connection)
+    assert response.embedding_spaces == [LOCAL_KEY] and response.results[0].vector_rank == 1
+    await reindexer.aclose()
+
+
+async def settled(client: httpx.AsyncClient, path: str) -> dict[str, Any]:
+    """The run at ``path`` once it stopped running."""
+    for _ in range(300):
+        body: dict[str, Any] = (await client.get(path)).json()
+        if body["status"] != "running":
+            return body
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{path} still running")

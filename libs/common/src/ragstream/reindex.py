@@ -145,11 +145,11 @@ class Reindexer:
                     target.model_key, lambda chunks: self._embed(target, chunks), self._batch
                 )
 
-            await self._follow(run_id, target, space.table, progress, switch, on_progress)
-            if progress.status == "switched":
-                self._spaces.adopt(target)
-            else:
-                await target.aclose()
+            try:
+                await self._follow(run_id, target, space.table, progress, switch, on_progress, adopt=True)
+            finally:
+                if progress.status != "switched":
+                    await target.aclose()
         return progress
 
     async def run_connection(
@@ -193,7 +193,8 @@ class Reindexer:
                     self._batch,
                 )
 
-            await self._follow(run_id, target, space.table, progress, switch, on_progress)
+            # The target is the active space's embedder, or one ``resolve`` handed to it already.
+            await self._follow(run_id, target, space.table, progress, switch, on_progress, adopt=False)
         return progress
 
     async def _follow(
@@ -204,8 +205,11 @@ class Reindexer:
         progress: ReindexProgress,
         switch: Callable[[], Awaitable[int]],
         on_progress: Callable[[ReindexProgress], None] | None,
+        *,
+        adopt: bool,
     ) -> None:
-        """Backfill, switch, and keep the run row up to date until it ends (``progress.status``)."""
+        """Backfill, switch, and keep the run row up to date until it ends (``progress.status``).
+        ``adopt``: once switched, ``target`` becomes the active space's embedder of its model."""
         notify = on_progress or (lambda _: None)
         writer = asyncio.create_task(self._write_progress(run_id, progress))
         try:
@@ -214,6 +218,8 @@ class Reindexer:
             progress.chunks_embedded += embedded
             progress.embedded_here += embedded
             progress.status = "switched"
+            if adopt:
+                self._spaces.adopt(target)
             self._spaces.invalidate()
         except asyncio.CancelledError:
             progress.status = "interrupted"

@@ -297,7 +297,7 @@ class DocumentStore:
         async with self._pool.acquire() as connection, connection.transaction():
             # First, so that a re-index switch waits for this commit or this commit for the switch.
             table = await lock_space(connection, model_key, int(vectors.shape[1]), header.connection_id)
-            # lock_space holds this row FOR SHARE already: a re-chunk switch (FOR UPDATE on this row)
+            # lock_space holds this row FOR KEY SHARE already: a re-chunk switch (FOR UPDATE on this row)
             # waits for this commit, or this commit reads the index version the switch made active.
             active = await connection.fetchval(
                 "SELECT index_version FROM connections WHERE id = $1 FOR KEY SHARE", header.connection_id

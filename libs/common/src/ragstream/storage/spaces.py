@@ -143,8 +143,9 @@ async def _ensure_space(connection: asyncpg.Connection, model_key: str, dimensio
 # else the active one; any model when there is no active space yet), its re-index target (the building
 # space while it follows the default, or a running re-index of its own), or a side-by-side space that
 # serves no connection (an unknown model, an idle space nobody is pinned to: tests and benchmarks
-# index beside the pipeline that way). Locks the connection row FOR SHARE: a per-connection switch
-# (FOR UPDATE) waits for this commit, or this commit sees what the switch made effective.
+# index beside the pipeline that way). Locks the connection row FOR KEY SHARE: a per-connection switch
+# (FOR UPDATE) waits for this commit, or this commit sees what the switch made effective, while plain
+# updates of the row (sync status, a rename) do not wait for commits.
 _MAY_COMMIT = """
     SELECT $2 = coalesce(k.embedding_model_key, (SELECT model_key FROM embedding_spaces WHERE status = 'active'), $2)
         OR (k.embedding_model_key IS NULL
@@ -153,7 +154,7 @@ _MAY_COMMIT = """
                    WHERE r.connection_id = k.id AND r.target_key = $2 AND r.status = 'running')
         OR (NOT EXISTS (SELECT 1 FROM embedding_spaces s WHERE s.model_key = $2 AND s.status IN ('active', 'retired'))
             AND NOT EXISTS (SELECT 1 FROM connections p WHERE p.embedding_model_key = $2))
-    FROM connections k WHERE k.id = $1 FOR SHARE
+    FROM connections k WHERE k.id = $1 FOR KEY SHARE
 """
 
 
@@ -165,8 +166,8 @@ async def lock_space(
     for it, and no commit can slip in between its last backfill and the switch. An unknown model gets
     an idle space (side-by-side indexing, tests); a retired one is refused.
 
-    With ``connection_id``, the vectors are for that connection's chunks: its row is locked FOR SHARE
-    too (after the space's, the order every switch takes them in), and a model that is not the
+    With ``connection_id``, the vectors are for that connection's chunks: its row is locked FOR KEY
+    SHARE too (after the space's, the order every switch takes them in), and a model that is not the
     connection's to write (``_MAY_COMMIT``) is refused with ``RetiredSpaceError``."""
     row = await connection.fetchrow(
         "SELECT table_name, dimension, status FROM embedding_spaces WHERE model_key = $1 FOR SHARE", model_key
@@ -380,8 +381,8 @@ class SpaceStore:
     @staticmethod
     async def _drop_if_unused(connection: asyncpg.Connection, space: EmbeddingSpace) -> bool:
         """Retire ``space`` and drop its table when no connection is pinned to it, it is neither the
-        active nor the building space, and no running re-index fills it; ``False`` when kept."""
-        await connection.execute(_CREATE_LOCK)  # no connection is pinned to it meanwhile (pin_space)
+        active nor the building space, and no running re-index fills it; ``False`` when kept. The
+        caller holds ``_CREATE_LOCK``, so no connection is pinned to it meanwhile (``pin_space``)."""
         used = await connection.fetchval(
             "SELECT EXISTS (SELECT 1 FROM connections WHERE embedding_model_key = $1)"
             " OR EXISTS (SELECT 1 FROM embedding_spaces WHERE model_key = $1 AND status IN ('active', 'building'))"
@@ -408,6 +409,8 @@ class SpaceStore:
         every chunk committed before the switch has a target vector and none commits to the old
         table after it. The caller leaves only the few chunks committed since its last pass."""
         async with self._pool.acquire() as connection, connection.transaction():
+            # Before the rows: pinning a new connection takes it, then the space row (a foreign key).
+            await connection.execute(_CREATE_LOCK)
             rows = await connection.fetch(
                 "SELECT * FROM embedding_spaces WHERE status IN ('active', 'building') ORDER BY model_key FOR UPDATE"
             )
@@ -448,6 +451,7 @@ class SpaceStore:
         which locks them FOR UPDATE, cannot interleave), then the connection row FOR UPDATE, so
         commits of this connection in flight finish first and later ones see the new model."""
         async with self._pool.acquire() as connection, connection.transaction():
+            await connection.execute(_CREATE_LOCK)  # as ``switch``: before the rows
             rows = await connection.fetch(
                 "SELECT * FROM embedding_spaces WHERE model_key = ANY($1::text[]) ORDER BY model_key FOR SHARE",
                 [key for key in (source_key, target_key) if key is not None],

@@ -6,7 +6,7 @@
 -- Pinned spaces other than the active one are 'idle' (migration 0007): kept, not the default.
 --
 -- A per-connection re-index fills the target table with that connection's chunks beside the current
--- ones, then in one transaction holding the connection row FOR UPDATE (commits hold it FOR SHARE)
+-- ones, then in one transaction holding the connection row FOR UPDATE (commits hold it FOR KEY SHARE)
 -- embeds the last stragglers, sets embedding_model_key and deletes the connection's vectors from the
 -- old table, or drops the old table when nothing uses it any more.
 ALTER TABLE connections ADD COLUMN embedding_model_key text REFERENCES embedding_spaces (model_key);
