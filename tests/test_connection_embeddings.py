@@ -7,7 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
 from ragstream.api.reindex import reindex_router
 from ragstream.credentials import CredentialCipher
+from ragstream.embedding.base import TextKind, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, DocumentHeader
 from ragstream.pipeline import EmbeddedPipeline
@@ -212,12 +213,21 @@ async def test_each_connection_indexes_and_searches_with_its_own_model(
     assert {(r.connection_id, r.embedding_space) for r in again.results if r.vector_rank} == found
 
     # A connection's own query goes to its own model only.
+    local = runtime.embedder.embed
+    queries_a: list[str] = []
+
+    async def counted(texts: Sequence[str], kind: TextKind = "document") -> Vectors:
+        queries_a.extend(texts if kind == "query" else [])
+        return await local(texts, kind)
+
+    runtime.embedder.embed = counted  # type: ignore[method-assign]
     fake_dashscope.received.clear()
     alone = await search(runtime, "open the port", default)
     assert alone.embedding_spaces == [LOCAL_KEY] and sent(fake_dashscope, "query") == []
     own = await search(runtime, "rotate the keys", pinned)
     assert own.embedding_spaces == [DASHSCOPE_KEY] and sent(fake_dashscope, "query") == ["rotate the keys"]
     assert own.results[0].source == "keys.md" and own.results[0].vector_rank == 1
+    assert queries_a == ["open the port"]
 
 
 async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes_on(

@@ -123,10 +123,12 @@ class HybridRetriever:
         or two models of a connection, nor loses at the read-back a chunk its legs found.
 
         The snapshot says which spaces the connections in scope use; the query is embedded once per
-        model, by the (cached) default model from the start, by any other once the snapshot named
+        model: from the start by the models the cache expects, by any other once the snapshot named
         it, while the keyword leg runs."""
-        first = self._embedder if self._spaces is None else (await self._spaces.current()).embedder
-        embeddings = {first.model_key: asyncio.create_task(self._embed(first, query))}
+        embeddings = {
+            embedder.model_key: asyncio.create_task(self._embed(embedder, query))
+            for embedder in await self._expected_embedders(connection_ids)
+        }
         try:
             async with self._store.snapshot() as store:
                 spaces = await self._searched_spaces(store, connection_ids)
@@ -150,8 +152,20 @@ class HybridRetriever:
         finally:
             for task in embeddings.values():
                 task.cancel()
+            # Those no leg needed (the cache was stale) end here, their errors with them.
+            await asyncio.gather(*embeddings.values(), return_exceptions=True)
         ranked = [(records[chunk], score) for chunk, score in fused[:wanted] if chunk in records]
         return _Candidates(vector, keyword, ranked, [leg.model_key for leg in legs])
+
+    async def _expected_embedders(self, connection_ids: list[str] | None) -> list[Embedder]:
+        """The models of the scope as last cached: the default's for every connection, else those
+        of the connections named."""
+        if self._spaces is None:
+            return [self._embedder]
+        if connection_ids is None:
+            return [(await self._spaces.current()).embedder]
+        spaces = [await self._spaces.for_connection(connection) for connection in connection_ids]
+        return list({space.model_key: space.embedder for space in spaces}.values())
 
     async def _searched_spaces(self, store: SearchStore, connection_ids: list[str] | None) -> list[SearchedSpace]:
         """The spaces to search as the snapshot sees them: those of the connections in scope, or
