@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +19,6 @@ import pytest
 from ragstream.api.http import create_app
 from ragstream.api.reindex import reindex_router
 from ragstream.connectors.folder import FolderConnector
-from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.reindex import Reindexer, ReindexProgress
@@ -34,6 +32,7 @@ from ragstream.storage.documents import document_id
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
 from tests.support.connections import private_database
+from tests.support.embedders import HashEmbedder, hash_vector
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -52,45 +51,6 @@ TOPICS = {
     "logs.md": "# Logs\n\nLogs rotate daily and are kept for two weeks in the logs folder.",
     "users.md": "# Users\n\nInvite users by e-mail; an admin grants them roles and groups.",
 }
-
-
-def hash_vector(text: str, dimension: int) -> Vectors:
-    """A unit vector from the sum of per-word hashed vectors: texts sharing words point alike."""
-    total = np.zeros(dimension)
-    for word in text.lower().split():
-        seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "big")
-        total += np.random.default_rng(seed).standard_normal(dimension)
-    return (total / (np.linalg.norm(total) or 1.0)).astype(np.float32)
-
-
-class HashEmbedder:
-    """Deterministic vectors from hashed words that can pause or fail on cue."""
-
-    def __init__(self, model_key: str = "test-hash-64", dimension: int = 64, *, fail_on_call: int | None = None):
-        self.model_key = model_key
-        self.dimension = dimension
-        self.fail_on_call = fail_on_call
-        self.pause_on_call: int | None = None
-        self.paused = asyncio.Event()
-        self.resume = asyncio.Event()
-        self.calls = 0
-        self.texts: list[str] = []
-
-    async def warm_up(self) -> None:
-        return None
-
-    async def embed(self, texts: Sequence[str], kind: TextKind = "document") -> Vectors:
-        self.calls += 1
-        if self.calls == self.pause_on_call:
-            self.paused.set()
-            await self.resume.wait()
-        if self.calls == self.fail_on_call:
-            raise EmbeddingError("the test embedder rejects this batch", retryable=False, provider="test")
-        self.texts.extend(texts)
-        return np.vstack([hash_vector(text, self.dimension) for text in texts])
-
-    async def aclose(self) -> None:
-        return None
 
 
 @pytest.fixture

@@ -277,37 +277,56 @@ def replay(
 
 @app.command()
 def reindex(
-    provider: Annotated[Literal["local", "dashscope", "openai"], typer.Option("--provider", help="Target provider")],
+    provider: Annotated[
+        Literal["local", "dashscope", "openai"] | None,
+        typer.Option("--provider", help="Target provider (with --connection, unset: back to the default model)"),
+    ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name (provider default)")] = None,
     dimension: Annotated[int | None, typer.Option("--dimension", min=1, help="Dimension (model default)")] = None,
     base_url: Annotated[str | None, typer.Option("--base-url", help="Endpoint (provider default)")] = None,
+    connection: Annotated[
+        str | None,
+        typer.Option("--connection", help="Only this connection (id, or the folder of a folder connection)"),
+    ] = None,
 ) -> None:
-    """Re-embed every chunk with another model while search goes on, then switch to it. Interrupted, it
-    resumes where it stopped when run again. The key is RAGSTREAM_EMBEDDER_API_KEY. Exit 1 if it failed."""
+    """Re-embed every chunk with another model while search goes on, then switch to it: the connections
+    that follow the default model, or with --connection that one, which then keeps its own model.
+    Interrupted, it resumes where it stopped when run again. The key is RAGSTREAM_EMBEDDER_API_KEY.
+    Exit 1 if it failed."""
     spec = {"provider": provider, "model": model, "dimension": dimension, "base_url": base_url}
+    if provider is None and connection is None:
+        console.print("[red]--provider is needed for a deployment-wide re-index[/]")
+        raise typer.Exit(2)
+    folder = Path(connection) if connection is not None else None
+    connection_id = FolderConnector(folder).connection_id if folder is not None and folder.is_dir() else connection
 
     async def run(runtime: Runtime) -> bool:
-        try:
-            target = runtime.spaces.build(spec)
-        except ValueError as error:
-            console.print(f"[red]{error}[/]", highlight=False)
-            return False
         with _progress_bar("chunks") as bar:
-            task = bar.add_task(f"re-index to {target.model_key}", total=None, rate=0.0)
+            task = bar.add_task(f"re-index {connection_id or 'the default model'}", total=None, rate=0.0)
 
             def show(progress: ReindexProgress) -> None:
                 bar.update(task, total=progress.chunks_total, completed=progress.chunks_embedded, rate=progress.rate)
 
             try:
-                result = await runtime.reindexer().run(target, spec, show)
-            except (ReindexBusy, ValueError) as error:
-                await target.aclose()
+                if connection_id is not None:
+                    result = await runtime.reindexer().run_connection(
+                        connection_id, spec if provider is not None else None, show
+                    )
+                else:
+                    target = runtime.spaces.build(spec)
+                    try:
+                        result = await runtime.reindexer().run(target, spec, show)
+                    except (ReindexBusy, ValueError):
+                        await target.aclose()
+                        raise
+            except (ReindexBusy, UnknownConnection, ValueError) as error:
                 console.print(f"[red]{error}[/]", highlight=False)
                 return False
+        whose = f"{connection_id}: " if connection_id else ""
         if result.status == "switched":
-            console.print(f"search now uses [bold]{result.target_key}[/]; {result.source_key} was dropped")
+            console.print(f"{whose}search now uses [bold]{result.target_key}[/] instead of {result.source_key}")
         else:
-            console.print(f"[red]re-index failed, still searching {result.source_key}: {result.error}[/]")
+            console.print(f"[red]{whose}re-index failed, still searching {result.source_key}: {result.error}[/]")
         return result.status == "switched"
 
     raise typer.Exit(0 if _run(run) else 1)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import HTTPException
@@ -82,6 +83,11 @@ async def serve(
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     reindexer = runtime.reindexer()
     rechunker = runtime.rechunker()
+
+    async def resolve_embedding(spec: dict[str, Any]) -> tuple[str, int]:
+        embedder = await runtime.spaces.resolve(spec)
+        return embedder.model_key, embedder.dimension
+
     app = create_app(
         lambda: runtime.retriever,
         ready=ready,
@@ -93,6 +99,8 @@ async def serve(
                 on_created=first_sync("create"),
                 on_rag_enabled=first_sync("api"),
                 on_chunking_changed=rechunker.start,
+                on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
+                resolve_embedding=resolve_embedding,
             ),
             rechunk_router(rechunker, RechunkStore(runtime.pool)),
             sync_router(lambda: runs, runner.wake),

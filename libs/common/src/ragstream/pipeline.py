@@ -19,6 +19,7 @@ from ragstream.stages.index import IndexService
 from ragstream.stages.replay import ReplayCounts, ReplayService
 from ragstream.storage.cursors import Direction
 from ragstream.storage.documents import DocumentStore, Failure, StaleChunkingError
+from ragstream.storage.spaces import RetiredSpaceError
 
 __all__ = ["EmbeddedPipeline", "SyncProgress", "SyncReport"]
 
@@ -231,10 +232,14 @@ class EmbeddedPipeline:
         count as embedded or not for the guard once it has indexed or run out of attempts.
 
         Chunked just before a re-chunk switch and committed just after, a document is refused
-        (``StaleChunkingError``): it is chunked again at once with the config now active."""
+        (``StaleChunkingError``): it is chunked again at once with the config now active. Likewise
+        embedded just before a re-index switched its connection's model (``RetiredSpaceError``): it
+        is embedded again at once with the model now effective."""
         try:
             return await self._index_once(message, progress, guard)
-        except StaleChunkingError:
+        except (StaleChunkingError, RetiredSpaceError) as error:
+            if isinstance(error, RetiredSpaceError):
+                self._embedder.invalidate()
             return await self._index_once(message, progress, guard, last_try=True)
 
     async def _index_once(
@@ -262,7 +267,7 @@ class EmbeddedPipeline:
             guard.record(embedded=attempt.chunk_count)
             return True
         except Exception as error:  # one document's failure must not stop the sync; it is recorded
-            if isinstance(error, StaleChunkingError) and not last_try:
+            if isinstance(error, (StaleChunkingError, RetiredSpaceError)) and not last_try:
                 raise
             if attempt.step == "embed":
                 guard.record(failed=attempt.chunk_count)

@@ -2,7 +2,7 @@
 
 Search keeps reading the connection's active index version while the next one is filled, document
 by document, from the committed staged content, chunked with the new config and embedded in the
-active embedding space. Ingest keeps committing with the old config meanwhile; an edited document
+connection's embedding space. Ingest keeps committing with the old config meanwhile; an edited document
 loses its new-version chunks and is rebuilt again from its new content. The switch
 (``RechunkStore.switch``) rebuilds the last stragglers under the connection row's lock, makes the new
 version active with its config and deletes the old chunks, in one transaction. A failure or a
@@ -150,7 +150,7 @@ class Rechunker:
                         f"{progress.documents_failed} of {progress.documents_total} documents could not be"
                         f" re-chunked; first {progress.error}"
                     )
-                space = await self._spaces.current()
+                space = await self._spaces.for_connection(connection_id)
                 rebuilt = await self._store.switch(
                     connection_id,
                     index_version,
@@ -218,7 +218,7 @@ class Rechunker:
         if content is None:
             raise MissingContent(f"the content of version {document.version} is no longer staged; sync it again")
         title, chunks = await self._chunking.chunk(content, document.media_type, document.title, chunker)
-        space = await self._spaces.current()
+        space = await self._spaces.for_connection(document.connection_id)
         vectors = await space.embedder.embed([embedding_input(title, chunk.heading, chunk.text) for chunk in chunks])
         return RebuiltChunks(title, chunks, vectors, space.model_key)
 

@@ -18,7 +18,8 @@ from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
-from ragstream.storage.connections import Connection, ConnectionStore
+from ragstream.reindex import ReindexBusy, UnknownConnection
+from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
 __all__ = [
     "ConnectionConfig",
@@ -27,6 +28,8 @@ __all__ = [
     "ConnectionPatch",
     "ConnectionView",
     "EmbeddingChoice",
+    "EmbeddingHook",
+    "EmbeddingResolver",
     "RechunkHook",
     "connections_router",
 ]
@@ -44,6 +47,12 @@ ConnectionHook = Callable[[str], Awaitable[None]]
 RechunkHook = Callable[[str, ChunkingConfig], Awaitable[None]]
 """Starts rebuilding a connection's chunks with a new chunking config (``Rechunker.start``)."""
 
+EmbeddingHook = Callable[[str, dict[str, Any] | None], Awaitable[None]]
+"""Starts re-indexing a connection into a model's space (``Reindexer.start``; ``None``: the default's)."""
+
+EmbeddingResolver = Callable[[dict[str, Any]], Awaitable[tuple[str, int]]]
+"""The model key and dimension of the embedder a spec builds (``ActiveSpace.resolve``); ``ValueError``."""
+
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No connection with this id"}}
 
 
@@ -55,6 +64,15 @@ class EmbeddingChoice(BaseModel):
     provider: Annotated[Literal["local", "dashscope", "openai"], Field(title="Embedding provider")]
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", gt=0)] = None
+    base_url: Annotated[str | None, Field(title="Endpoint base URL", description="Provider default when unset.")] = None
+
+    def spec(self) -> dict[str, Any]:
+        """What builds the embedder, unset fields included: they mean the provider's defaults."""
+        return self.model_dump()
+
+    def shown(self) -> dict[str, Any]:
+        """The fields given, as ``config.embedding`` stores and shows them."""
+        return self.model_dump(exclude_none=True)
 
 
 class ConnectionConfig(BaseModel):
@@ -75,7 +93,16 @@ class ConnectionConfig(BaseModel):
             "value shows here once switched in.",
         ),
     ] = None
-    embedding: Annotated[EmbeddingChoice | None, Field(title="Embedding model")] = None
+    embedding: Annotated[
+        EmbeddingChoice | None,
+        Field(
+            title="Embedding model",
+            description="Unset: the server's default (a deployment-wide re-index moves it). Set: this connection's "
+            "own model, from its first sync on. Changing it (null: back to the default) re-embeds the indexed "
+            "chunks in the background (progress: GET /v1/connections/{id}/reindex) while search uses the current "
+            "vectors; the new value shows here once switched in.",
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _path_is_a_folder(self) -> ConnectionConfig:
@@ -185,6 +212,8 @@ def connections_router(
     on_created: ConnectionHook | None = None,
     on_rag_enabled: ConnectionHook | None = None,
     on_chunking_changed: RechunkHook | None = None,
+    on_embedding_changed: EmbeddingHook | None = None,
+    resolve_embedding: EmbeddingResolver | None = None,
     tracer: trace.Tracer | None = None,
 ) -> APIRouter:
     """The routes. ``on_created`` runs after a connection with RAG on is created, ``on_rag_enabled`` after
@@ -194,7 +223,11 @@ def connections_router(
     With ``on_chunking_changed``, an update that changes the chunking config does not store it: the
     hook starts a re-chunk, which stores it when it switches the rebuilt chunks in (before the rest of
     the update, so that a re-chunk already running answers 409 and changes nothing). Without it, a
-    new config applies to documents chunked from then on."""
+    new config applies to documents chunked from then on.
+
+    The embedding model likewise: with ``resolve_embedding``, a connection created with one is pinned
+    to its space at once; with ``on_embedding_changed``, an update that changes it starts the
+    connection's re-index, which stores it when it switches. Without them it is only stored."""
     router = APIRouter(prefix="/v1/connections", tags=["connections"])
     spans = tracer or trace.get_tracer(__name__)
 
@@ -215,6 +248,32 @@ def connections_router(
     def not_found(connection_id: str) -> HTTPException:
         return HTTPException(status_code=404, detail=f"connection {connection_id!r} not found")
 
+    async def pinned_model(config: ConnectionConfig) -> PinnedModel | None:
+        if config.embedding is None or resolve_embedding is None:
+            return None
+        spec = config.embedding.spec()
+        try:
+            model_key, dimension = await resolve_embedding(spec)
+        except ValueError as error:
+            raise HTTPException(status_code=422, detail=str(error)) from None
+        return PinnedModel(model_key, dimension, spec)
+
+    async def change_embedding(connection_id: str, current: Connection, config: ConnectionConfig) -> None:
+        """Start the re-index when the embedding model given differs from the connection's."""
+        assert on_embedding_changed is not None
+        wanted = config.embedding.shown() if config.embedding is not None else None
+        if current.config.get("embedding") == wanted:
+            return
+        try:
+            await on_embedding_changed(connection_id, config.embedding.spec() if config.embedding else None)
+        except ReindexBusy as error:
+            raise HTTPException(status_code=409, detail=str(error)) from None
+        except UnknownConnection:
+            raise not_found(connection_id) from None
+        except ValueError as error:
+            raise HTTPException(status_code=422, detail=str(error)) from None
+        logger.info("connection %s: re-indexing to another embedding model started", connection_id)
+
     @router.post("", status_code=201, response_model=ConnectionView)
     async def create_connection(body: ConnectionCreate) -> ConnectionView:
         """Create a connection; with RAG on, a full sync starts."""
@@ -229,6 +288,7 @@ def connections_router(
                     rag_enabled=body.rag_enabled,
                     schedule_seconds=body.schedule_seconds,
                     skip_acl=body.skip_acl,
+                    embedding=await pinned_model(body.config),
                 )
             except CredentialKeyMissing as error:
                 raise HTTPException(status_code=422, detail=str(error)) from None
@@ -267,6 +327,13 @@ def connections_router(
             span.set_attribute("connection.fields", sorted(body.model_fields_set))
             config = body.config.stored() if body.config is not None else None
             chunking = body.config.chunking if body.config is not None else None
+            embedding_given = body.config is not None and "embedding" in body.config.model_fields_set
+            if body.config is not None and config is not None and embedding_given and on_embedding_changed:
+                current = await store.get(connection_id)
+                if current is None:
+                    raise not_found(connection_id)
+                config.pop("embedding", None)
+                await change_embedding(connection_id, current, body.config)
             if config is not None and chunking is not None and on_chunking_changed is not None:
                 current = await store.get(connection_id)
                 if current is None:

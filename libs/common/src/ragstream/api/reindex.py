@@ -1,11 +1,13 @@
-"""``POST /v1/reindex`` starts a re-index to another embedding model; ``GET /v1/reindex`` shows its progress."""
+"""``POST /v1/reindex`` starts a re-index to another embedding model; ``GET /v1/reindex`` shows its progress;
+``/v1/connections/{id}/reindex`` shows (``GET``) or cancels (``DELETE``) a connection's, which a change of
+its ``config.embedding`` starts."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Response, status
 from pydantic import BaseModel, Field
 
 from ragstream.reindex import ReindexBusy, Reindexer
@@ -24,6 +26,9 @@ class ReindexRequest(BaseModel):
 
 
 class ReindexStatus(BaseModel):
+    connection_id: Annotated[
+        str | None, Field(title="Connection re-indexed", description="None: the connections following the default.")
+    ] = None
     source_key: Annotated[str | None, Field(title="Embedding space searched until the switch")]
     target_key: Annotated[str, Field(title="Embedding space being built")]
     status: Annotated[
@@ -40,13 +45,17 @@ class ReindexStatus(BaseModel):
     finished_at: datetime | None = None
 
 
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No re-index of this connection"}}
+
+
 def reindex_router(reindexer: Reindexer, store: SpaceStore) -> APIRouter:
     router = APIRouter()
 
-    async def latest() -> ReindexStatus:
-        run = await store.latest_run()
+    async def latest(connection_id: str | None = None) -> ReindexStatus:
+        run = await store.latest_run(connection_id)
         if run is None:
-            raise HTTPException(status_code=404, detail="no re-index has run")
+            whose = f" of connection {connection_id!r}" if connection_id else ""
+            raise HTTPException(status_code=404, detail=f"no re-index{whose} has run")
         return ReindexStatus.model_validate(run, from_attributes=True)
 
     @router.post("/v1/reindex", response_model=ReindexStatus, status_code=status.HTTP_202_ACCEPTED)
@@ -65,5 +74,30 @@ def reindex_router(reindexer: Reindexer, store: SpaceStore) -> APIRouter:
     async def reindex_progress() -> ReindexStatus:
         """The latest re-index, from the database: any process's, written at least every few seconds."""
         return await latest()
+
+    @router.get(
+        "/v1/connections/{connection_id}/reindex",
+        response_model=ReindexStatus,
+        responses=_NOT_FOUND,
+        tags=["connections"],
+    )
+    async def connection_reindex_progress(connection_id: str) -> ReindexStatus:
+        """The connection's latest re-index (started by changing its ``config.embedding``), from the
+        database: any process's, written at least every few seconds."""
+        return await latest(connection_id)
+
+    @router.delete(
+        "/v1/connections/{connection_id}/reindex",
+        status_code=204,
+        response_class=Response,
+        responses={404: {"description": "No re-index of this connection runs in this process"}},
+        tags=["connections"],
+    )
+    async def cancel_connection_reindex(connection_id: str) -> Response:
+        """Stop the connection's running re-index; its current vectors stay searchable, and setting the
+        same ``config.embedding`` again resumes it."""
+        if not await reindexer.cancel(connection_id):
+            raise HTTPException(status_code=404, detail=f"no re-index of {connection_id!r} runs here")
+        return Response(status_code=204)
 
     return router

@@ -30,13 +30,15 @@ class Space:
 
 
 class ActiveSpace:
-    """Which space serves search and takes ingest's vectors, with the embedder of its model.
+    """Which space serves search and takes ingest's vectors, for the deployment (the active space) and
+    for each connection (the space it is pinned to, else the active one), with their embedders.
 
-    Read at most every ``ttl_s`` seconds: a search takes one ``Space`` and uses it for its whole
-    vector leg, so it never mixes models; a switch in another process shows within ``ttl_s`` (and at
-    once in a search that finds the old table dropped, which calls ``invalidate``). Embedders for a
-    model other than the configured one are built from the space's stored spec plus these settings'
-    key and threads, and closed by ``aclose``.
+    Read at most every ``ttl_s`` seconds, in one statement (``SpaceStore.layout``): ingest embeds a
+    document with its connection's model as last read, and a switch in another process shows within
+    ``ttl_s`` (vectors of the replaced model are refused at commit, and ``invalidate`` forgets the
+    cache at once). Search reads the spaces in its own snapshot and uses this for the embedders only.
+    Embedders for a model other than the configured one are built from the space's stored spec plus
+    these settings' key and threads, and closed by ``aclose``.
     """
 
     def __init__(self, store: SpaceStore, settings: EmbeddingSettings, configured: Embedder, ttl_s: float = 2.0):
@@ -46,7 +48,7 @@ class ActiveSpace:
         self._ttl_s = ttl_s
         self._embedders: dict[str, Embedder] = {configured.model_key: configured}
         self._owned: list[Embedder] = []
-        self._cached: tuple[float, Space] | None = None
+        self._cached: tuple[float, Space, dict[str, Space]] | None = None
         self._lock = asyncio.Lock()
 
     async def activate(self) -> Space:
@@ -56,22 +58,40 @@ class ActiveSpace:
         return await self.current()
 
     async def current(self) -> Space:
+        """The deployment's active space: that of every connection not pinned to a model."""
+        return (await self._layout())[0]
+
+    async def for_connection(self, connection_id: str) -> Space:
+        """The connection's effective space: the one it is pinned to, else the active one."""
+        active, pinned = await self._layout()
+        return pinned.get(connection_id, active)
+
+    async def _layout(self) -> tuple[Space, dict[str, Space]]:
         async with self._lock:
             now = time.monotonic()
             if self._cached is not None and now - self._cached[0] < self._ttl_s:
-                return self._cached[1]
-            active = await self._store.active()
+                return self._cached[1], self._cached[2]
+            active, pinned = await self._store.layout()
             if active is None:
                 raise RuntimeError("no active embedding space: open the runtime first")
-            embedder = self._embedders.get(active.model_key)
-            if embedder is None:
-                embedder = self.build(active.spec or {})
-                if embedder.model_key != active.model_key:
-                    raise RuntimeError(f"the spec of {active.model_key} builds {embedder.model_key}")
-                self.adopt(embedder)
-            space = Space(active.model_key, active.table, embedder)
-            self._cached = (now, space)
-            return space
+            spaces = {
+                space.model_key: Space(space.model_key, space.table, self.embedder(space.model_key, space.spec))
+                for space in (active, *pinned.values())
+            }
+            current = spaces[active.model_key]
+            by_connection = {connection: spaces[space.model_key] for connection, space in pinned.items()}
+            self._cached = (now, current, by_connection)
+            return current, by_connection
+
+    def embedder(self, model_key: str, spec: dict[str, Any] | None) -> Embedder:
+        """The embedder of ``model_key``, built from its stored ``spec`` the first time."""
+        embedder = self._embedders.get(model_key)
+        if embedder is None:
+            embedder = self.build(spec or {})
+            if embedder.model_key != model_key:
+                raise RuntimeError(f"the spec of {model_key} builds {embedder.model_key}")
+            self.adopt(embedder)
+        return embedder
 
     def build(self, spec: dict[str, Any]) -> Embedder:
         """An embedder for ``spec`` (provider, model, dimension, base_url) with this process's key."""
@@ -79,6 +99,17 @@ class ActiveSpace:
         if unknown:
             raise ValueError(f"unknown embedder spec fields: {sorted(unknown)}")
         return create_embedder(self._settings.model_copy(update=spec))
+
+    async def resolve(self, spec: dict[str, Any]) -> Embedder:
+        """The embedder ``spec`` names: the one this process has for its model already, else built
+        and kept (closed by ``aclose``)."""
+        built = self.build(spec)
+        known = self._embedders.get(built.model_key)
+        if known is not None:
+            await built.aclose()
+            return known
+        self.adopt(built)
+        return built
 
     def adopt(self, embedder: Embedder) -> None:
         """Use this embedder (a re-index's target) for its space from now on; closed by ``aclose``."""

@@ -74,6 +74,13 @@ class SearchResult(BaseModel):
     preview: Annotated[str, Field(title="Matching paragraph preview", description="For source cards.")]
     vector_rank: Annotated[int | None, Field(title="Rank in the vector leg")] = None
     keyword_rank: Annotated[int | None, Field(title="Rank in the keyword leg")] = None
+    embedding_space: Annotated[
+        str | None,
+        Field(
+            title="Embedding space of the chunk's connection",
+            description="The model key its vector leg searched: the connection's own model, else the default.",
+        ),
+    ] = None
 
 
 class SearchResponse(BaseModel):
@@ -83,6 +90,18 @@ class SearchResponse(BaseModel):
     reranked: Annotated[bool, Field(title="Whether a reranker ordered the results")] = False
     embedding_space: Annotated[
         str | None,
-        Field(title="Embedding space of the vector leg", description="Its model key; none when nothing is embedded."),
+        Field(
+            title="Embedding space of the vector leg",
+            description="Its model key (the default space's when several were searched); none when nothing is "
+            "embedded.",
+        ),
     ] = None
+    embedding_spaces: Annotated[
+        list[str],
+        Field(
+            title="Embedding spaces searched",
+            description="One vector leg per model of the connections in scope (each its own connections), "
+            "the default space first.",
+        ),
+    ] = []
     took_ms: float

@@ -7,8 +7,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import asyncpg
-
 from ragstream.embedding.base import Embedder, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
@@ -19,7 +17,7 @@ from ragstream.retrieval.rerank import Reranker
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import ChunkRecord, Hit, SearchStore
+from ragstream.storage.search import ChunkRecord, Hit, SearchedSpace, SearchStore
 
 __all__ = ["HybridRetriever", "RetrievalSettings"]
 
@@ -40,12 +38,15 @@ class RetrievalSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class _QueryVector:
-    """The query embedded by a space's model, with that space's table: one model for query and table."""
+class _Leg:
+    """One vector leg: a space's table, the query embedded by that space's model (one model for query
+    and table), and the scope restricted to the connections whose space it is when there are several."""
 
     model_key: str
     table: str
     vector: Vectors
+    scope: Scope
+    restricted: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class _Candidates:
     vector_hits: list[Hit]
     keyword_hits: list[Hit]
     ranked: list[tuple[ChunkRecord, float]]
-    model_key: str | None
+    model_keys: list[str]
 
 
 class HybridRetriever:
@@ -70,8 +71,9 @@ class HybridRetriever:
         rephraser: QueryRephraser | None = None,
         spaces: ActiveSpace | None = None,
     ) -> None:
-        """With ``spaces``, queries are embedded by the active space's model (it changes when a
-        re-index switches); without, always by ``embedder`` in its own space."""
+        """With ``spaces``, the vector leg runs in each embedding space of the connections in scope
+        (their own model, else the active space's), the query embedded by each space's model; without,
+        always by ``embedder`` in its own space."""
         self._store = store
         self._spaces = spaces
         self._embedder = embedder
@@ -87,23 +89,18 @@ class HybridRetriever:
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
         wanted = max(request.top_k, self._settings.rerank_candidates if self._reranker else 0)
-        try:
-            found = await self._candidates(query, terms, scope, wanted)
-        except asyncpg.UndefinedTableError:
-            if self._spaces is None:
-                raise
-            # A re-index switched and dropped the space's table after the space was read: search
-            # the new active space instead, embedding the query again with its model.
-            self._spaces.invalidate()
-            found = await self._candidates(query, terms, scope, wanted)
+        found = await self._candidates(query, terms, scope, request.filters.connection_ids, wanted)
         ranked, reranked = await self._rerank(query, found.ranked, request.top_k)
-        results = await self._results(request, ranked[: request.top_k], terms, found.vector_hits, found.keyword_hits)
+        results = await self._results(
+            request, ranked[: request.top_k], terms, found.vector_hits, found.keyword_hits, found.model_keys
+        )
         return SearchResponse(
             query=request.query,
             rewritten_query=query if query != request.query else None,
             results=results,
             reranked=reranked,
-            embedding_space=found.model_key,
+            embedding_space=found.model_keys[0] if found.model_keys else None,
+            embedding_spaces=found.model_keys,
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
@@ -117,41 +114,101 @@ class HybridRetriever:
             logger.warning("query rephrasing failed, searching the raw query: %s", error)
             return request.query
 
-    async def _candidates(self, query: str, terms: list[str], scope: Scope, wanted: int) -> _Candidates:
+    async def _candidates(
+        self, query: str, terms: list[str], scope: Scope, connection_ids: list[str] | None, wanted: int
+    ) -> _Candidates:
         """Both legs, the fusion and the read-back, all in one snapshot of the database
-        (``SearchStore.snapshot``): a re-chunk switch, a deletion or a commit landing meanwhile is
-        seen by every statement or by none, so a search never mixes two index versions of a
-        connection, nor loses at the read-back a chunk its legs found. The query is embedded while
-        the keyword leg runs."""
-        embedding = asyncio.create_task(self._embed_query(query))
+        (``SearchStore.snapshot``): a re-chunk or re-index switch, a deletion or a commit landing
+        meanwhile is seen by every statement or by none, so a search never mixes two index versions
+        or two models of a connection, nor loses at the read-back a chunk its legs found.
+
+        The snapshot says which spaces the connections in scope use; the query is embedded once per
+        model: from the start by the models the cache expects, by any other once the snapshot named
+        it, while the keyword leg runs."""
+        embeddings = {
+            embedder.model_key: asyncio.create_task(self._embed(embedder, query))
+            for embedder in await self._expected_embedders(connection_ids)
+        }
         try:
             async with self._store.snapshot() as store:
+                spaces = await self._searched_spaces(store, connection_ids)
+                for space in spaces:
+                    if space.model_key not in embeddings:
+                        embedder = self._embedder_of(space)
+                        embeddings[space.model_key] = asyncio.create_task(self._embed(embedder, query))
                 keyword = await store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
-                embedded = await embedding
-                vector = []
-                if embedded is not None:
-                    vector = await store.vector_leg(embedded.table, embedded.vector, self._settings.leg_size, scope)
-                fused = await self._fuse(store, embedded, vector, keyword)
+                legs = [
+                    _Leg(
+                        space.model_key,
+                        space.table,
+                        await embeddings[space.model_key],
+                        *self._leg_scope(scope, space, len(spaces)),
+                    )
+                    for space in spaces
+                ]
+                vector = await self._vector_leg(store, legs)
+                fused = await self._fuse(store, legs, vector, keyword)
                 records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
         finally:
-            embedding.cancel()
+            for task in embeddings.values():
+                task.cancel()
+            # Those no leg needed (the cache was stale) end here, their errors with them.
+            await asyncio.gather(*embeddings.values(), return_exceptions=True)
         ranked = [(records[chunk], score) for chunk, score in fused[:wanted] if chunk in records]
-        return _Candidates(vector, keyword, ranked, embedded.model_key if embedded else None)
+        return _Candidates(vector, keyword, ranked, [leg.model_key for leg in legs])
 
-    async def _embed_query(self, query: str) -> _QueryVector | None:
-        """The query in the active space (``None`` when nothing was ever embedded)."""
+    async def _expected_embedders(self, connection_ids: list[str] | None) -> list[Embedder]:
+        """The models of the scope as last cached: the default's for every connection, else those
+        of the connections named."""
         if self._spaces is None:
-            table = await self._store.embedding_table(self._embedder.model_key)
-            if table is None:
-                return None
-            vector = (await self._embedder.embed([query], kind="query"))[0]
-            return _QueryVector(self._embedder.model_key, table, vector)
-        space = await self._spaces.current()
-        vector = (await space.embedder.embed([query], kind="query"))[0]
-        return _QueryVector(space.model_key, space.table, vector)
+            return [self._embedder]
+        if connection_ids is None:
+            return [(await self._spaces.current()).embedder]
+        spaces = [await self._spaces.for_connection(connection) for connection in connection_ids]
+        return list({space.model_key: space.embedder for space in spaces}.values())
+
+    async def _searched_spaces(self, store: SearchStore, connection_ids: list[str] | None) -> list[SearchedSpace]:
+        """The spaces to search as the snapshot sees them: those of the connections in scope, or
+        without ``spaces`` the embedder's own (none when nothing was ever embedded)."""
+        if self._spaces is None:
+            table = await store.embedding_table(self._embedder.model_key)
+            return [SearchedSpace(self._embedder.model_key, table, None, True)] if table is not None else []
+        spaces = await store.searched_spaces(connection_ids)
+        active = next((space for space in spaces if space.active), None)
+        if active is not None and active.model_key != (await self._spaces.current()).model_key:
+            self._spaces.invalidate()  # a re-index switched since the cache was read
+        return spaces
+
+    def _embedder_of(self, space: SearchedSpace) -> Embedder:
+        assert self._spaces is not None  # without spaces, the one space is the embedder's own
+        return self._spaces.embedder(space.model_key, space.spec)
+
+    @staticmethod
+    async def _embed(embedder: Embedder, query: str) -> Vectors:
+        vector: Vectors = (await embedder.embed([query], kind="query"))[0]
+        return vector
+
+    @staticmethod
+    def _leg_scope(scope: Scope, space: SearchedSpace, legs: int) -> tuple[Scope, bool]:
+        """The scope of ``space``'s leg: with several legs, only the connections whose effective space
+        it is (a table also holds the vectors a re-index builds for connections of another leg)."""
+        if legs == 1:
+            return scope, False
+        if space.active:
+            return scope.restricted("coalesce(k.embedding_model_key, {param}) = {param}", space.model_key), True
+        return scope.restricted("k.embedding_model_key = {param}", space.model_key), True
+
+    async def _vector_leg(self, store: SearchStore, legs: list[_Leg]) -> list[Hit]:
+        """Each leg's nearest chunks, merged by cosine similarity. The cosines of two models are only
+        roughly comparable (each model spreads its similarities differently), so when a scope spans
+        connections of several models the merged order favours the model with higher cosines; within
+        one connection all scores come from one model. Fusion with the keyword leg then reorders."""
+        size = self._settings.leg_size
+        hits = [hit for leg in legs for hit in await store.vector_leg(leg.table, leg.vector, size, leg.scope)]
+        return sorted(hits, key=lambda hit: (-hit.score, hit.chunk_id))[:size] if len(legs) > 1 else hits
 
     async def _fuse(
-        self, store: SearchStore, embedded: _QueryVector | None, vector: list[Hit], keyword: list[Hit]
+        self, store: SearchStore, legs: list[_Leg], vector: list[Hit], keyword: list[Hit]
     ) -> list[tuple[str, float]]:
         settings = self._settings
         if settings.fusion == "rrf":
@@ -163,8 +220,10 @@ class HybridRetriever:
         similarity: dict[str, float] = {}
         found = {hit.chunk_id for hit in vector}
         missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
-        if missing and embedded is not None:
-            similarity = await store.similarities(embedded.table, embedded.vector, missing)
+        for leg in legs if missing else []:
+            # Each chunk's similarity in its own connection's space: the leg's scope says whose.
+            scope = leg.scope if leg.restricted else None
+            similarity.update(await store.similarities(leg.table, leg.vector, missing, scope))
         return convex_fusion(vector, keyword, alpha=settings.convex_alpha, similarity=similarity)
 
     async def _rerank(
@@ -189,12 +248,14 @@ class HybridRetriever:
         terms: list[str],
         vector_hits: list[Hit],
         keyword_hits: list[Hit],
+        model_keys: list[str],
     ) -> list[SearchResult]:
         documents = list(dict.fromkeys(record.document_id for record, _ in ranked))
         if request.conversation_id:
             numbers = await self._citations.assign(request.conversation_id, documents)
         else:
             numbers = {document: index for index, document in enumerate(documents, start=1)}
+        searched = model_keys[0] if model_keys else None
         vector_rank = {hit.chunk_id: rank for rank, hit in enumerate(vector_hits, start=1)}
         keyword_rank = {hit.chunk_id: rank for rank, hit in enumerate(keyword_hits, start=1)}
         results: list[SearchResult] = []
@@ -222,6 +283,8 @@ class HybridRetriever:
                     preview=preview(record.text, terms),
                     vector_rank=vector_rank.get(record.chunk_id),
                     keyword_rank=keyword_rank.get(record.chunk_id),
+                    # Without spaces there is one leg, in the embedder's space, whatever the connection's.
+                    embedding_space=record.embedding_space if self._spaces is not None else searched,
                 )
             )
         return results

@@ -23,13 +23,16 @@ def embedding_input(title: str, heading: str, text: str) -> str:
 
 class EmbedService:
     def __init__(self, embedder: Embedder, spaces: ActiveSpace | None = None) -> None:
-        """With ``spaces``, each batch is embedded by the active space's model (it changes when a
-        re-index switches); without, always by ``embedder``."""
+        """With ``spaces``, each batch is embedded by its connection's model (pinned, else the active
+        space's; a re-index changes it); without, always by ``embedder``."""
         self._embedder = embedder
         self._spaces = spaces
 
     async def run(self, message: DocumentChunked) -> ChunksEmbedded:
-        embedder = (await self._spaces.current()).embedder if self._spaces is not None else self._embedder
+        if self._spaces is None:
+            embedder = self._embedder
+        else:
+            embedder = (await self._spaces.for_connection(message.header.connection_id)).embedder
         vectors = await embedder.embed([embedding_text(message.header, chunk) for chunk in message.chunks])
         return ChunksEmbedded(
             header=message.header,
@@ -42,3 +45,8 @@ class EmbedService:
             dimension=embedder.dimension,
             vectors=pack_vectors(vectors),
         )
+
+    def invalidate(self) -> None:
+        """Read the connections' models again: a commit refused the model this process had cached."""
+        if self._spaces is not None:
+            self._spaces.invalidate()

@@ -20,8 +20,9 @@ import asyncpg
 from pydantic import SecretStr
 
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
+from ragstream.storage.spaces import pin_space
 
-__all__ = ["Connection", "ConnectionStore", "RagSwitch", "new_connection_id"]
+__all__ = ["Connection", "ConnectionStore", "PinnedModel", "RagSwitch", "new_connection_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,16 @@ class RagSwitch:
 
 
 # sync_error: the latest failed sync's reason and a summary of the documents that did not index (0009).
+@dataclass(frozen=True, slots=True)
+class PinnedModel:
+    """The embedding model a new connection is pinned to: its space's key and dimension, and the
+    spec that builds its embedder in any process."""
+
+    model_key: str
+    dimension: int
+    spec: dict[str, Any]
+
+
 _COLUMNS = (
     "id, platform, name, config, status, skip_acl, rag_enabled, schedule_seconds, credentials,"
     " connection_sync_error(id) AS sync_error,"
@@ -118,19 +129,27 @@ class ConnectionStore:
         schedule_seconds: int = 86_400,
         skip_acl: bool = False,
         connection_id: str | None = None,
+        embedding: PinnedModel | None = None,
     ) -> Connection:
-        row = await self._pool.fetchrow(
-            f"INSERT INTO connections (id, platform, name, config, credentials, rag_enabled, schedule_seconds,"
-            f" skip_acl) VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) RETURNING {_COLUMNS}",
-            connection_id or new_connection_id(),
-            platform,
-            name,
-            json.dumps(dict(config or {})),
-            self._token(credentials),
-            rag_enabled,
-            schedule_seconds,
-            skip_acl,
-        )
+        """With ``embedding``, the connection is pinned to that model's space from the start (created if
+        need be), in the same transaction: its first sync already embeds with it."""
+        async with self._pool.acquire() as connection, connection.transaction():
+            if embedding is not None:
+                await pin_space(connection, embedding.model_key, embedding.dimension, embedding.spec)
+            row = await connection.fetchrow(
+                f"INSERT INTO connections (id, platform, name, config, credentials, rag_enabled, schedule_seconds,"
+                f" skip_acl, embedding_model_key) VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9)"
+                f" RETURNING {_COLUMNS}",
+                connection_id or new_connection_id(),
+                platform,
+                name,
+                json.dumps(dict(config or {})),
+                self._token(credentials),
+                rag_enabled,
+                schedule_seconds,
+                skip_acl,
+                embedding.model_key if embedding is not None else None,
+            )
         assert row is not None
         return self._connection(row)
 

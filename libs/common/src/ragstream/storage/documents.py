@@ -289,14 +289,15 @@ class DocumentStore:
 
         Nothing changes when the committed version is already as new: redelivered or reordered
         messages are harmless, and the previous version stays searchable until this one commits.
-        Vectors of a model a re-index has retired raise ``RetiredSpaceError`` (retryable); chunks made
-        for an index version that is not the connection's active one raise ``StaleChunkingError``.
+        Vectors of a model that is not the connection's (``lock_space``) raise ``RetiredSpaceError``
+        (retryable); chunks made for an index version that is not the connection's active one raise
+        ``StaleChunkingError``.
         """
         ids = [chunk_id(header.document_id, header.version, chunk.ordinal, index_version) for chunk in chunks]
         async with self._pool.acquire() as connection, connection.transaction():
             # First, so that a re-index switch waits for this commit or this commit for the switch.
-            table = await lock_space(connection, model_key, int(vectors.shape[1]))
-            # KEY SHARE, as the foreign key takes anyway: a re-chunk switch (FOR UPDATE on this row)
+            table = await lock_space(connection, model_key, int(vectors.shape[1]), header.connection_id)
+            # lock_space holds this row FOR KEY SHARE already: a re-chunk switch (FOR UPDATE on this row)
             # waits for this commit, or this commit reads the index version the switch made active.
             active = await connection.fetchval(
                 "SELECT index_version FROM connections WHERE id = $1 FOR KEY SHARE", header.connection_id

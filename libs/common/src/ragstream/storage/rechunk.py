@@ -18,7 +18,7 @@ import asyncpg
 from ragstream.embedding.base import Vectors
 from ragstream.messages import ChunkPayload
 from ragstream.storage.documents import chunk_id, write_chunks
-from ragstream.storage.spaces import lock_space
+from ragstream.storage.spaces import UnknownConnection, lock_space
 
 __all__ = [
     "RebuiltChunks",
@@ -41,15 +41,12 @@ class RechunkBusy(Exception):
     """A re-chunk of this connection is already running (in this process or another)."""
 
 
-class UnknownConnection(LookupError):
-    """No connection with this id."""
-
-
 @dataclass(frozen=True, slots=True)
 class RechunkDocument:
     """An indexed document to chunk again: its committed version's staged content is the input."""
 
     document_id: str
+    connection_id: str
     version: int
     title: str
     source: str
@@ -59,7 +56,7 @@ class RechunkDocument:
 
 @dataclass(frozen=True, slots=True)
 class RebuiltChunks:
-    """A document's chunks under the new config, embedded in the active space."""
+    """A document's chunks under the new config, embedded in its connection's space."""
 
     title: str
     chunks: list[ChunkPayload]
@@ -97,7 +94,7 @@ def _run(row: asyncpg.Record) -> RechunkRun:
 # a pass reads each once, however many are edited behind it). The ACL is the document's, which
 # every chunk of the active version carries.
 _PENDING = (
-    "SELECT d.id, d.version, d.title, d.source, d.media_type,"
+    "SELECT d.id, d.connection_id, d.version, d.title, d.source, d.media_type,"
     " (SELECT c.acl FROM chunks c WHERE c.document_id = d.id ORDER BY c.index_version, c.ordinal LIMIT 1) AS acl"
     " FROM documents d WHERE d.connection_id = $1 AND d.status = 'indexed' AND d.id > $3"
     " AND NOT EXISTS (SELECT 1 FROM chunks c WHERE c.document_id = d.id AND c.index_version = $2)"
@@ -184,7 +181,15 @@ class RechunkStore:
     ) -> list[RechunkDocument]:
         rows = await connection.fetch(_PENDING, connection_id, index_version, after, limit)
         return [
-            RechunkDocument(row["id"], row["version"], row["title"], row["source"], row["media_type"], row["acl"])
+            RechunkDocument(
+                row["id"],
+                row["connection_id"],
+                row["version"],
+                row["title"],
+                row["source"],
+                row["media_type"],
+                row["acl"],
+            )
             for row in rows
         ]
 
@@ -204,7 +209,9 @@ class RechunkStore:
         """Write the rebuilt chunks unless the document changed meanwhile (then a later pass or the
         switch rebuilds it from its new content). Replaces chunks of the version a crash left."""
         async with connection.transaction():
-            table = await lock_space(connection, rebuilt.model_key, int(rebuilt.vectors.shape[1]))
+            table = await lock_space(
+                connection, rebuilt.model_key, int(rebuilt.vectors.shape[1]), document.connection_id
+            )
             # The lock commit_document and delete_document take: no commit slips in between.
             await connection.execute("SELECT pg_advisory_xact_lock(hashtext($1))", document.document_id)
             current = await connection.fetchval(
@@ -251,8 +258,8 @@ class RechunkStore:
         """Rebuild what is still missing, make ``index_version`` active with ``chunking`` and delete the
         other versions' chunks, in one transaction. Returns how many documents were rebuilt here.
 
-        The active embedding space is locked FOR SHARE first, then the connection row FOR UPDATE, the
-        order commits take them in: commits of this connection in flight finish first, later ones
+        The connection's embedding space is locked FOR SHARE first, then the connection row FOR UPDATE,
+        the order commits take them in: commits of this connection in flight finish first, later ones
         wait and then see the new version, so no document commits old-config chunks behind the
         switch's back."""
         rebuilt = 0

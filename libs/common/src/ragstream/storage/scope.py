@@ -21,6 +21,7 @@ class Scope:
 
     sql: str
     params: list[Any] = field(default_factory=list)
+    first_param: int = 1
 
     @classmethod
     def build(cls, filters: SearchFilters, principal: Principal | None, *, first_param: int) -> Scope:
@@ -46,7 +47,12 @@ class Scope:
                 clauses.append(f"{column} = ANY({param(values)}::text[])")
         if filters.metadata:
             clauses.append(f"d.metadata @> {param(json.dumps(filters.metadata))}::jsonb")
-        return cls(" AND ".join(clauses), params)
+        return cls(" AND ".join(clauses), params, first_param)
+
+    def restricted(self, clause: str, value: Any) -> Scope:
+        """This scope and ``clause``, whose ``{param}`` becomes the placeholder of ``value``."""
+        placeholder = f"${self.first_param + len(self.params)}"
+        return Scope(f"{self.sql} AND {clause.format(param=placeholder)}", [*self.params, value], self.first_param)
 
     @property
     def joins(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import numpy as np
 from ragstream.embedding.base import Vectors
 from ragstream.storage.scope import Scope
 
-__all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore"]
+__all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore", "SearchedSpace"]
 
 KeywordRanking = Literal["bm25", "ts_rank"]
 
@@ -120,6 +121,33 @@ class _StatsCache:
 
 
 @dataclass(frozen=True, slots=True)
+class SearchedSpace:
+    """An embedding space a search runs a vector leg in, as its snapshot sees it. ``active``: the
+    deployment's default space, which the connections not pinned to a model use."""
+
+    model_key: str
+    table: str
+    spec: dict[str, Any] | None
+    active: bool
+
+
+# The effective spaces (pinned, else active) of the searchable connections in scope ($1: the scope's
+# connection ids, NULL for all), the active one first; the active space alone when no connection is
+# in scope, as before connections had models. A few rows of a small table: one cheap statement.
+_SEARCHED_SPACES = """
+    WITH effective AS (
+        SELECT DISTINCT coalesce(k.embedding_model_key,
+                                 (SELECT model_key FROM embedding_spaces WHERE status = 'active')) AS model_key
+        FROM connections k
+        WHERE k.status = 'active' AND k.rag_enabled AND ($1::text[] IS NULL OR k.id = ANY($1::text[])))
+    SELECT s.model_key, s.table_name, s.spec, s.status = 'active' AS active FROM embedding_spaces s
+    WHERE s.model_key IN (SELECT model_key FROM effective)
+       OR (s.status = 'active' AND NOT EXISTS (SELECT 1 FROM effective))
+    ORDER BY s.status = 'active' DESC, s.model_key
+"""
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkRecord:
     chunk_id: str
     document_id: str
@@ -131,6 +159,8 @@ class ChunkRecord:
     url: str | None
     heading: str
     text: str
+    # The model of the connection's effective space (pinned, else the active one).
+    embedding_space: str | None
 
 
 class SearchStore:
@@ -195,6 +225,19 @@ class SearchStore:
         value = await self._db.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
         return str(value) if value is not None else None
 
+    async def searched_spaces(self, connection_ids: Sequence[str] | None) -> list[SearchedSpace]:
+        """The spaces whose vector legs cover the connections in scope (``_SEARCHED_SPACES``)."""
+        rows = await self._db.fetch(_SEARCHED_SPACES, list(connection_ids) if connection_ids is not None else None)
+        return [
+            SearchedSpace(
+                row["model_key"],
+                row["table_name"],
+                json.loads(row["spec"]) if isinstance(row["spec"], str) else row["spec"],
+                row["active"],
+            )
+            for row in rows
+        ]
+
     # pgvector 0.6 filters after the HNSW scan: a scan of ef_search nodes yields at most ef_search
     # candidates, and only the share the scope lets through survives. So the leg measures that share
     # near the query, widens the scan to keep about ef_search visible candidates, and scans the scoped
@@ -258,13 +301,25 @@ class SearchStore:
         )
         return [Hit(row["id"], row["score"]) for row in rows]
 
-    async def similarities(self, table: str, query_vector: Vectors, chunk_ids: Sequence[str]) -> dict[str, float]:
+    async def similarities(
+        self, table: str, query_vector: Vectors, chunk_ids: Sequence[str], scope: Scope | None = None
+    ) -> dict[str, float]:
         """Cosine similarity of the query to each of ``chunk_ids`` that has a vector in ``table``:
-        score fusion needs it for the keyword leg's chunks that the vector leg did not return."""
+        score fusion needs it for the keyword leg's chunks that the vector leg did not return. With
+        ``scope`` (numbered from $3), only those of its chunks: a table holds the vectors a re-index
+        is building for connections that another leg covers."""
+        if scope is None:
+            sql = f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {table} WHERE chunk_id = ANY($2::text[])"
+        else:
+            sql = (
+                f"SELECT e.chunk_id, 1 - (e.embedding <=> $1) AS score FROM {table} e"
+                f" JOIN chunks c ON c.id = e.chunk_id {scope.joins} WHERE e.chunk_id = ANY($2::text[]) AND {scope.sql}"
+            )
         rows = await self._db.fetch(
-            f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {table} WHERE chunk_id = ANY($2::text[])",
+            sql,
             np.asarray(query_vector, dtype=np.float32),
             list(chunk_ids),
+            *(scope.params if scope is not None else ()),
         )
         return {row["chunk_id"]: row["score"] for row in rows}
 
@@ -336,7 +391,9 @@ class SearchStore:
     async def chunks(self, chunk_ids: Sequence[str]) -> dict[str, ChunkRecord]:
         rows = await self._db.fetch(
             "SELECT c.id, c.document_id, d.connection_id, k.platform, d.knowledge_base, d.title, d.source, d.url,"
-            " c.heading, c.text FROM chunks c JOIN documents d ON d.id = c.document_id"
+            " c.heading, c.text, coalesce(k.embedding_model_key,"
+            "  (SELECT model_key FROM embedding_spaces WHERE status = 'active')) AS embedding_space"
+            " FROM chunks c JOIN documents d ON d.id = c.document_id"
             " JOIN connections k ON k.id = d.connection_id WHERE c.id = ANY($1::text[])",
             list(chunk_ids),
         )
@@ -352,6 +409,7 @@ class SearchStore:
                 row["url"],
                 row["heading"],
                 row["text"],
+                row["embedding_space"],
             )
             for row in rows
         }

@@ -24,7 +24,9 @@ __all__ = [
     "RunStatus",
     "SpaceStatus",
     "SpaceStore",
+    "UnknownConnection",
     "lock_space",
+    "pin_space",
 ]
 
 SpaceStatus = Literal["active", "building", "idle", "retired"]
@@ -34,19 +36,33 @@ RunStatus = Literal["running", "switched", "failed", "interrupted"]
 # one re-index at a time by the session lock, which dies with its connection if the process does.
 _CREATE_LOCK = "SELECT pg_advisory_xact_lock(hashtext('embedding_spaces'))"
 _REINDEX_LOCK = 0x72696478
+_SET_STATUS = "UPDATE embedding_spaces SET status = $2 WHERE model_key = $1"
+# A connection k's effective space: the one it is pinned to, else the active one.
+_EFFECTIVE = "coalesce(k.embedding_model_key, (SELECT model_key FROM embedding_spaces WHERE status = 'active'))"
+# Two-key lock of one connection's re-index (this namespace, the connection id's hash).
+_CONNECTION_LOCK = 0x72696463
 
 
 class RetiredSpaceError(Exception):
-    """Vectors of a model that a re-index has replaced: the document must be embedded again with the
-    active model (recorded as a retryable failure; the next sync or a replay does it)."""
+    """Vectors of a model that a re-index has replaced, for the deployment or for the document's
+    connection: the document must be embedded again with the connection's model (recorded as a
+    retryable failure; the embedded pipeline does it at once, the next sync or a replay otherwise)."""
 
-    def __init__(self, model_key: str) -> None:
-        super().__init__(f"embedding space {model_key} was retired by a re-index; re-embed with the active model")
+    def __init__(self, model_key: str, connection_id: str | None = None) -> None:
+        whose = f"connection {connection_id}" if connection_id else "the deployment"
+        super().__init__(
+            f"embedding space {model_key} is not the one of {whose} any more (a re-index replaced it);"
+            " re-embed with its current model"
+        )
         self.model_key = model_key
 
 
 class ReindexBusy(Exception):
     """Another re-index holds the lock (in this process or another)."""
+
+
+class UnknownConnection(LookupError):
+    """No connection with this id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +87,7 @@ class ChunkText:
 @dataclass(frozen=True, slots=True)
 class ReindexRun:
     id: int
+    connection_id: str | None
     source_key: str | None
     target_key: str
     status: RunStatus
@@ -122,14 +139,41 @@ async def _ensure_space(connection: asyncpg.Connection, model_key: str, dimensio
     return _space(row)
 
 
-async def lock_space(connection: asyncpg.Connection, model_key: str, dimension: int) -> str:
+# Whether a commit of the connection ($1) may write vectors of model $2: its effective model (pinned,
+# else the active one; any model when there is no active space yet), its re-index target (the building
+# space while it follows the default, or a running re-index of its own), or a side-by-side space that
+# serves no connection (an unknown model, an idle space nobody is pinned to: tests and benchmarks
+# index beside the pipeline that way). Locks the connection row FOR KEY SHARE: a per-connection switch
+# (FOR UPDATE) waits for this commit, or this commit sees what the switch made effective, while plain
+# updates of the row (sync status, a rename) do not wait for commits.
+_MAY_COMMIT = """
+    SELECT $2 = coalesce(k.embedding_model_key, (SELECT model_key FROM embedding_spaces WHERE status = 'active'), $2)
+        OR (k.embedding_model_key IS NULL
+            AND EXISTS (SELECT 1 FROM embedding_spaces s WHERE s.model_key = $2 AND s.status = 'building'))
+        OR EXISTS (SELECT 1 FROM reindex_runs r
+                   WHERE r.connection_id = k.id AND r.target_key = $2 AND r.status = 'running')
+        OR (NOT EXISTS (SELECT 1 FROM embedding_spaces s WHERE s.model_key = $2 AND s.status IN ('active', 'retired'))
+            AND NOT EXISTS (SELECT 1 FROM connections p WHERE p.embedding_model_key = $2))
+    FROM connections k WHERE k.id = $1 FOR KEY SHARE
+"""
+
+
+async def lock_space(
+    connection: asyncpg.Connection, model_key: str, dimension: int, connection_id: str | None = None
+) -> str:
     """The table for vectors of ``model_key``, its row locked FOR SHARE until the caller's transaction
     ends: a re-index switch locks the rows FOR UPDATE, so it waits for commits in flight and they wait
     for it, and no commit can slip in between its last backfill and the switch. An unknown model gets
-    an idle space (side-by-side indexing, tests); a retired one is refused."""
+    an idle space (side-by-side indexing, tests); a retired one is refused.
+
+    With ``connection_id``, the vectors are for that connection's chunks: its row is locked FOR KEY
+    SHARE too (after the space's, the order every switch takes them in), and a model that is not the
+    connection's to write (``_MAY_COMMIT``) is refused with ``RetiredSpaceError``."""
     row = await connection.fetchrow(
         "SELECT table_name, dimension, status FROM embedding_spaces WHERE model_key = $1 FOR SHARE", model_key
     )
+    if connection_id is not None and await connection.fetchval(_MAY_COMMIT, connection_id, model_key) is False:
+        raise RetiredSpaceError(model_key, connection_id)
     if row is None:
         await connection.execute(_CREATE_LOCK)
         return (await _ensure_space(connection, model_key, dimension)).table
@@ -140,8 +184,38 @@ async def lock_space(connection: asyncpg.Connection, model_key: str, dimension: 
     return str(row["table_name"])
 
 
+async def pin_space(connection: asyncpg.Connection, model_key: str, dimension: int, spec: dict[str, Any]) -> None:
+    """Make sure ``model_key`` has a space a connection can be pinned to (its table created again if
+    retired, its spec stored so that every process can build its embedder). The caller's transaction
+    then sets ``connections.embedding_model_key``; the lock keeps a switch from dropping the space
+    as unused in between."""
+    await connection.execute(_CREATE_LOCK)
+    await _ensure_space(connection, model_key, dimension)
+    await connection.execute(
+        "UPDATE embedding_spaces SET spec = $2::jsonb WHERE model_key = $1 AND spec IS NULL",
+        model_key,
+        json.dumps(spec),
+    )
+
+
+# Which chunks a re-index covers: those of one connection ($n), or, deployment-wide, those of the
+# connections that follow the default space (not pinned to a model of their own).
+# Returns the joins from chunks ``c`` and the WHERE clause, with its parameter numbered ``param``.
+_MEMBER_JOINS = "JOIN documents d ON d.id = c.document_id JOIN connections k ON k.id = d.connection_id"
+
+
+def _members(connection_id: str | None, param: int) -> tuple[str, list[Any]]:
+    if connection_id is None:
+        return f"{_MEMBER_JOINS} WHERE k.embedding_model_key IS NULL", []
+    return f"{_MEMBER_JOINS} WHERE k.id = ${param}", [connection_id]
+
+
 class SpaceStore:
-    """The SQL of space roles, the re-index backfill and switch, and re-index runs."""
+    """The SQL of space roles, the re-index backfill and switch (deployment-wide or of one
+    connection), and re-index runs.
+
+    Methods taking ``connection_id`` cover that connection's chunks when it is given, else the chunks
+    of the connections following the default space (``_members``)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
@@ -149,6 +223,16 @@ class SpaceStore:
     async def active(self) -> EmbeddingSpace | None:
         row = await self._pool.fetchrow("SELECT * FROM embedding_spaces WHERE status = 'active'")
         return _space(row) if row is not None else None
+
+    async def layout(self) -> tuple[EmbeddingSpace | None, dict[str, EmbeddingSpace]]:
+        """The active space and the space of each pinned connection, in one statement."""
+        rows = await self._pool.fetch(
+            "SELECT s.*, k.id AS pinned_by FROM embedding_spaces s"
+            " LEFT JOIN connections k ON k.embedding_model_key = s.model_key"
+            " WHERE s.status = 'active' OR k.id IS NOT NULL"
+        )
+        active = next((_space(row) for row in rows if row["status"] == "active"), None)
+        return active, {row["pinned_by"]: _space(row) for row in rows if row["pinned_by"] is not None}
 
     async def activate_if_none(self, model_key: str, dimension: int, spec: dict[str, Any]) -> EmbeddingSpace:
         """The active space; when there is none yet (a new database, or one from before re-indexing
@@ -186,29 +270,77 @@ class SpaceStore:
             assert row is not None
             return _space(row)
 
-    async def count_chunks(self) -> int:
-        return int(await self._pool.fetchval("SELECT count(*) FROM chunks"))
+    async def prepare_connection_build(
+        self, connection_id: str, model_key: str, dimension: int, spec: dict[str, Any], pin: bool
+    ) -> tuple[EmbeddingSpace, str | None, int]:
+        """The target space of a connection's re-index (created if need be, keeping the vectors it
+        has), the connection's current model, and the run's id. ``pin``: the connection is to be pinned
+        to ``model_key``; else it is to follow the default again (``model_key`` is the active one).
 
-    async def count_vectors(self, table: str) -> int:
-        return int(await self._pool.fetchval(f"SELECT count(*) FROM {table}"))
+        The run row is written in the same transaction, under the lock a switch takes before it drops
+        a table nothing uses: a running re-index's target counts as used, so it is never dropped."""
+        async with self._pool.acquire() as connection, connection.transaction():
+            current = await connection.fetchrow(
+                f"SELECT k.embedding_model_key AS pinned, {_EFFECTIVE} AS effective FROM connections k WHERE k.id = $1",
+                connection_id,
+            )
+            if current is None:
+                raise UnknownConnection(connection_id)
+            if current["effective"] == model_key and (current["pinned"] is not None) == pin:
+                raise ValueError(f"{model_key} is already the embedding model of connection {connection_id}")
+            await pin_space(connection, model_key, dimension, spec)
+            target = await connection.fetchrow("SELECT * FROM embedding_spaces WHERE model_key = $1", model_key)
+            assert target is not None
+            space = _space(target)
+            counts = await connection.fetchrow(
+                f"SELECT count(*) AS total, count(e.chunk_id) AS embedded FROM chunks c {_MEMBER_JOINS}"
+                f" LEFT JOIN {space.table} e ON e.chunk_id = c.id WHERE d.connection_id = $1",
+                connection_id,
+            )
+            assert counts is not None
+            run_id = await connection.fetchval(
+                "INSERT INTO reindex_runs (connection_id, source_key, target_key, status, chunks_total,"
+                " chunks_embedded) VALUES ($1, $2, $3, 'running', $4, $5) RETURNING id",
+                connection_id,
+                current["effective"],
+                model_key,
+                counts["total"],
+                counts["embedded"],
+            )
+            return space, current["effective"], int(run_id)
+
+    async def count_chunks(self, connection_id: str | None = None) -> int:
+        members, params = _members(connection_id, 1)
+        return int(await self._pool.fetchval(f"SELECT count(*) FROM chunks c {members}", *params))
+
+    async def count_vectors(self, table: str, connection_id: str | None = None) -> int:
+        """Vectors in ``table`` of the chunks a re-index covers."""
+        members, params = _members(connection_id, 1)
+        return int(
+            await self._pool.fetchval(
+                f"SELECT count(*) FROM {table} e JOIN chunks c ON c.id = e.chunk_id {members}", *params
+            )
+        )
 
     @staticmethod
     async def _missing(
-        connection: asyncpg.Connection | asyncpg.Pool, table: str, after: str, limit: int
+        connection: asyncpg.Connection | asyncpg.Pool, table: str, after: str, limit: int, connection_id: str | None
     ) -> list[ChunkText]:
+        members, params = _members(connection_id, 3)
         rows = await connection.fetch(
-            "SELECT c.id, d.title, c.heading, c.text FROM chunks c JOIN documents d ON d.id = c.document_id"
-            f" WHERE c.id > $1 AND NOT EXISTS (SELECT 1 FROM {table} e WHERE e.chunk_id = c.id)"
+            f"SELECT c.id, d.title, c.heading, c.text FROM chunks c {members}"
+            f" AND c.id > $1 AND NOT EXISTS (SELECT 1 FROM {table} e WHERE e.chunk_id = c.id)"
             " ORDER BY c.id LIMIT $2",
             after,
             limit,
+            *params,
         )
         return [ChunkText(row["id"], row["title"], row["heading"], row["text"]) for row in rows]
 
-    async def missing(self, table: str, after: str, limit: int) -> list[ChunkText]:
+    async def missing(self, table: str, after: str, limit: int, connection_id: str | None = None) -> list[ChunkText]:
         """Chunks without a vector in ``table``, by id after ``after`` (keyset paging: each pass
         reads every chunk once, however many are added behind it)."""
-        return await self._missing(self._pool, table, after, limit)
+        return await self._missing(self._pool, table, after, limit, connection_id)
 
     @staticmethod
     async def _store(connection: asyncpg.Connection, table: str, ids: Sequence[str], vectors: Vectors) -> None:
@@ -231,15 +363,54 @@ class SpaceStore:
         async with self._pool.acquire() as connection:
             await self._store(connection, table, ids, vectors)
 
+    async def _backfill_rest(
+        self,
+        connection: asyncpg.Connection,
+        table: str,
+        connection_id: str | None,
+        embed: Callable[[list[ChunkText]], Awaitable[Vectors]],
+        batch: int,
+    ) -> int:
+        embedded, after = 0, ""
+        while chunks := await self._missing(connection, table, after, batch, connection_id):
+            await self._store(connection, table, [c.chunk_id for c in chunks], await embed(chunks))
+            embedded += len(chunks)
+            after = chunks[-1].chunk_id
+        return embedded
+
+    @staticmethod
+    async def _drop_if_unused(connection: asyncpg.Connection, space: EmbeddingSpace) -> bool:
+        """Retire ``space`` and drop its table when no connection is pinned to it, it is neither the
+        active nor the building space, and no running re-index fills it; ``False`` when kept. The
+        caller holds ``_CREATE_LOCK``, so no connection is pinned to it meanwhile (``pin_space``)."""
+        used = await connection.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM connections WHERE embedding_model_key = $1)"
+            " OR EXISTS (SELECT 1 FROM embedding_spaces WHERE model_key = $1 AND status IN ('active', 'building'))"
+            " OR EXISTS (SELECT 1 FROM reindex_runs WHERE target_key = $1 AND status = 'running')",
+            space.model_key,
+        )
+        if used:
+            return False
+        await connection.execute(_SET_STATUS, space.model_key, "retired")
+        # Dropping a table whose foreign key references chunks locks chunks exclusively too. Taken
+        # first, in the order searches take them (SearchStore.snapshot: chunks, then an embedding
+        # table), so a search in flight finishes instead of deadlocking with us.
+        await connection.execute("LOCK TABLE chunks IN ACCESS EXCLUSIVE MODE")
+        await connection.execute(f"DROP TABLE {space.table}")
+        return True
+
     async def switch(self, target_key: str, embed: Callable[[list[ChunkText]], Awaitable[Vectors]], batch: int) -> int:
-        """Backfill what is still missing and make ``target_key`` active, in one transaction; the old
-        active space is retired and its table dropped. Returns how many chunks were embedded here.
+        """Backfill what is still missing and make ``target_key`` active, in one transaction. The old
+        active space is retired and its table dropped, unless connections are pinned to it: then it
+        stays (idle) for them and only the followers' vectors leave it. Returns how many chunks were
+        embedded here.
 
         The active and building rows are locked FOR UPDATE first: commits (``lock_space``) wait, so
         every chunk committed before the switch has a target vector and none commits to the old
         table after it. The caller leaves only the few chunks committed since its last pass."""
-        embedded = 0
         async with self._pool.acquire() as connection, connection.transaction():
+            # Before the rows: pinning a new connection takes it, then the space row (a foreign key).
+            await connection.execute(_CREATE_LOCK)
             rows = await connection.fetch(
                 "SELECT * FROM embedding_spaces WHERE status IN ('active', 'building') ORDER BY model_key FOR UPDATE"
             )
@@ -247,38 +418,110 @@ class SpaceStore:
             target = spaces.get("building")
             if target is None or target.model_key != target_key:
                 raise RuntimeError(f"{target_key} is no longer the building embedding space")
-            after = ""
-            while chunks := await self._missing(connection, target.table, after, batch):
-                await self._store(connection, target.table, [c.chunk_id for c in chunks], await embed(chunks))
-                embedded += len(chunks)
-                after = chunks[-1].chunk_id
+            embedded = await self._backfill_rest(connection, target.table, None, embed, batch)
             old = spaces.get("active")
-            if old is not None:
+            if old is not None:  # first: one active space at a time (a unique index)
+                await connection.execute(_SET_STATUS, old.model_key, "idle")
+            await connection.execute(_SET_STATUS, target_key, "active")
+            if old is not None and not await self._drop_if_unused(connection, old):
+                # Kept for the connections pinned to it: only theirs stay.
                 await connection.execute(
-                    "UPDATE embedding_spaces SET status = 'retired' WHERE model_key = $1", old.model_key
+                    f"DELETE FROM {old.table} e USING chunks c {_MEMBER_JOINS}"
+                    " WHERE e.chunk_id = c.id AND k.embedding_model_key IS DISTINCT FROM $1",
+                    old.model_key,
                 )
-                # Dropping a table whose foreign key references chunks locks chunks exclusively too.
-                # Taken first, in the order searches take them (SearchStore.snapshot: chunks, then an
-                # embedding table), so a search in flight finishes instead of deadlocking with us.
-                await connection.execute("LOCK TABLE chunks IN ACCESS EXCLUSIVE MODE")
-                await connection.execute(f"DROP TABLE {old.table}")
-            await connection.execute("UPDATE embedding_spaces SET status = 'active' WHERE model_key = $1", target_key)
+        return embedded
+
+    async def switch_connection(
+        self,
+        connection_id: str,
+        source_key: str | None,
+        target_key: str,
+        pin: bool,
+        embedding: dict[str, Any] | None,
+        embed: Callable[[list[ChunkText]], Awaitable[Vectors]],
+        batch: int,
+    ) -> int:
+        """Backfill the connection's last chunks into ``target_key``'s table and switch the connection
+        to it, in one transaction: pinned to it (``pin``) or following the default again, with
+        ``embedding`` as its ``config.embedding`` (removed when ``None``). Its vectors leave the old
+        table, which is dropped when nothing uses it any more. Returns how many chunks were embedded.
+
+        Locks in the order commits take them: both space rows FOR SHARE (a deployment-wide switch,
+        which locks them FOR UPDATE, cannot interleave), then the connection row FOR UPDATE, so
+        commits of this connection in flight finish first and later ones see the new model."""
+        async with self._pool.acquire() as connection, connection.transaction():
+            await connection.execute(_CREATE_LOCK)  # as ``switch``: before the rows
+            rows = await connection.fetch(
+                "SELECT * FROM embedding_spaces WHERE model_key = ANY($1::text[]) ORDER BY model_key FOR SHARE",
+                [key for key in (source_key, target_key) if key is not None],
+            )
+            spaces = {row["model_key"]: _space(row) for row in rows}
+            target = spaces.get(target_key)
+            if target is None or target.status == "retired":
+                raise RuntimeError(f"the table of {target_key} was dropped meanwhile")
+            current = await connection.fetchrow(
+                f"SELECT {_EFFECTIVE} AS effective FROM connections k WHERE k.id = $1 FOR UPDATE",
+                connection_id,
+            )
+            if current is None:
+                raise UnknownConnection(connection_id)
+            if current["effective"] != source_key:
+                raise RuntimeError(f"connection {connection_id} moved to {current['effective']} meanwhile")
+            embedded = await self._backfill_rest(connection, target.table, connection_id, embed, batch)
+            await connection.execute(
+                "UPDATE connections SET embedding_model_key = $2, updated_at = now(),"
+                " config = CASE WHEN $3::jsonb IS NULL THEN config - 'embedding'"
+                "  ELSE config || jsonb_build_object('embedding', $3::jsonb) END WHERE id = $1",
+                connection_id,
+                target_key if pin else None,
+                json.dumps(embedding) if embedding is not None else None,
+            )
+            old = spaces.get(source_key) if source_key is not None else None
+            if old is not None and old.model_key != target_key and not await self._drop_if_unused(connection, old):
+                await connection.execute(
+                    f"DELETE FROM {old.table} e USING chunks c, documents d"
+                    " WHERE e.chunk_id = c.id AND d.id = c.document_id AND d.connection_id = $1",
+                    connection_id,
+                )
         return embedded
 
     @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
+    async def exclusive(self, connection_id: str | None = None) -> AsyncIterator[None]:
         """Hold the re-index lock for the block; ``ReindexBusy`` when another run holds it. Runs still
-        marked running are then dead (their lock went with them) and are marked interrupted."""
+        marked running are then dead (their lock went with them) and are marked interrupted.
+
+        A deployment-wide re-index holds the lock exclusively; one of a connection holds it shared
+        plus that connection's own lock: re-indexes of different connections run side by side, and
+        none while the deployment's runs."""
         async with self._pool.acquire() as connection:
-            if not await connection.fetchval("SELECT pg_try_advisory_lock($1)", _REINDEX_LOCK):
-                raise ReindexBusy("a re-index is already running")
+            if connection_id is None:
+                if not await connection.fetchval("SELECT pg_try_advisory_lock($1)", _REINDEX_LOCK):
+                    raise ReindexBusy("a re-index is already running")
+                locks = [("SELECT pg_advisory_unlock($1)", _REINDEX_LOCK)]
+            else:
+                if not await connection.fetchval("SELECT pg_try_advisory_lock_shared($1)", _REINDEX_LOCK):
+                    raise ReindexBusy("a deployment-wide re-index is running")
+                locks = [("SELECT pg_advisory_unlock_shared($1)", _REINDEX_LOCK)]
+                if not await connection.fetchval(
+                    "SELECT pg_try_advisory_lock($1, hashtext($2))", _CONNECTION_LOCK, connection_id
+                ):
+                    await connection.execute(*locks[0])
+                    raise ReindexBusy(f"a re-index of connection {connection_id} is already running")
             try:
                 await connection.execute(
-                    "UPDATE reindex_runs SET status = 'interrupted', finished_at = now() WHERE status = 'running'"
+                    "UPDATE reindex_runs SET status = 'interrupted', finished_at = now()"
+                    " WHERE status = 'running' AND ($1::text IS NULL OR connection_id = $1)",
+                    connection_id,
                 )
                 yield
             finally:
-                await connection.execute("SELECT pg_advisory_unlock($1)", _REINDEX_LOCK)
+                if connection_id is not None:
+                    await connection.execute(
+                        "SELECT pg_advisory_unlock($1, hashtext($2))", _CONNECTION_LOCK, connection_id
+                    )
+                for statement, key in locks:
+                    await connection.execute(statement, key)
 
     async def start_run(self, source_key: str | None, target_key: str, total: int, embedded: int) -> int:
         return int(
@@ -314,8 +557,12 @@ class SpaceStore:
             error,
         )
 
-    async def latest_run(self) -> ReindexRun | None:
-        row = await self._pool.fetchrow("SELECT * FROM reindex_runs ORDER BY id DESC LIMIT 1")
+    async def latest_run(self, connection_id: str | None = None) -> ReindexRun | None:
+        """The latest deployment-wide run, or the connection's latest."""
+        row = await self._pool.fetchrow(
+            "SELECT * FROM reindex_runs WHERE connection_id IS NOT DISTINCT FROM $1 ORDER BY id DESC LIMIT 1",
+            connection_id,
+        )
         if row is None:
             return None
         return ReindexRun(**{field: row[field] for field in ReindexRun.__dataclass_fields__})

@@ -1,0 +1,52 @@
+"""A deterministic second embedding model for re-index tests: hashed-word vectors, with pauses and failures on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
+
+__all__ = ["HashEmbedder", "hash_vector"]
+
+
+def hash_vector(text: str, dimension: int) -> Vectors:
+    """A unit vector from the sum of per-word hashed vectors: texts sharing words point alike."""
+    total = np.zeros(dimension)
+    for word in text.lower().split():
+        seed = int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "big")
+        total += np.random.default_rng(seed).standard_normal(dimension)
+    return (total / (np.linalg.norm(total) or 1.0)).astype(np.float32)
+
+
+class HashEmbedder:
+    """Deterministic vectors from hashed words that can pause or fail on cue."""
+
+    def __init__(self, model_key: str = "test-hash-64", dimension: int = 64, *, fail_on_call: int | None = None):
+        self.model_key = model_key
+        self.dimension = dimension
+        self.fail_on_call = fail_on_call
+        self.pause_on_call: int | None = None
+        self.paused = asyncio.Event()
+        self.resume = asyncio.Event()
+        self.calls = 0
+        self.texts: list[str] = []
+
+    async def warm_up(self) -> None:
+        return None
+
+    async def embed(self, texts: Sequence[str], kind: TextKind = "document") -> Vectors:
+        self.calls += 1
+        if self.calls == self.pause_on_call:
+            self.paused.set()
+            await self.resume.wait()
+        if self.calls == self.fail_on_call:
+            raise EmbeddingError("the test embedder rejects this batch", retryable=False, provider="test")
+        self.texts.extend(texts)
+        return np.vstack([hash_vector(text, self.dimension) for text in texts])
+
+    async def aclose(self) -> None:
+        return None
