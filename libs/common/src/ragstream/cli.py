@@ -29,7 +29,7 @@ from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_runtime, resolve_database
-from ragstream.settings import Settings
+from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import connect_pool
@@ -278,7 +278,7 @@ def replay(
 @app.command()
 def reindex(
     provider: Annotated[
-        Literal["local", "dashscope", "openai"] | None,
+        EmbeddingProvider | None,
         typer.Option("--provider", help="Target provider (with --connection, unset: back to the default model)"),
     ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name (provider default)")] = None,

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ChunkingSettings", "EmbeddingSettings", "Settings", "StageRetrySettings"]
+__all__ = ["ChunkingSettings", "EmbeddingProvider", "EmbeddingSettings", "Settings", "StageRetrySettings"]
 
 
 class ChunkingSettings(BaseSettings):
@@ -38,13 +38,17 @@ class StageRetrySettings(BaseSettings):
     backoff_max_s: Annotated[float, Field(title="Longest wait between attempts", ge=0)] = 30.0
 
 
+EmbeddingProvider = Literal["local", "onnx", "dashscope", "openai"]
+"""``local``: USE; ``onnx``: BGE from Maven Central; ``dashscope`` and ``openai``: remote, with a key."""
+
+
 class EmbeddingSettings(BaseSettings):
     """Which embedder runs: ``local`` (USE) needs no network, ``onnx`` (BGE) fetches its model once
     from Maven Central, ``dashscope`` and ``openai`` need a key."""
 
     model_config = SettingsConfigDict(env_prefix="RAGSTREAM_EMBEDDER_")
 
-    provider: Annotated[Literal["local", "onnx", "dashscope", "openai"], Field(title="Embedding provider")] = "local"
+    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")] = "local"
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", description="Provider default when unset.")] = None
     base_url: Annotated[str | None, Field(title="Endpoint base URL")] = None

@@ -19,6 +19,7 @@ from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
 from ragstream.reindex import ReindexBusy, UnknownConnection
+from ragstream.settings import EmbeddingProvider
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
 __all__ = [
@@ -61,7 +62,7 @@ class EmbeddingChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Embedding choice")
 
-    provider: Annotated[Literal["local", "dashscope", "openai"], Field(title="Embedding provider")]
+    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")]
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", gt=0)] = None
     base_url: Annotated[str | None, Field(title="Endpoint base URL", description="Provider default when unset.")] = None

@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Response, status
 from pydantic import BaseModel, Field
 
 from ragstream.reindex import ReindexBusy, Reindexer
+from ragstream.settings import EmbeddingProvider
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["ReindexRequest", "ReindexStatus", "reindex_router"]
@@ -19,7 +20,7 @@ __all__ = ["ReindexRequest", "ReindexStatus", "reindex_router"]
 class ReindexRequest(BaseModel):
     """The target embedder, as ``RAGSTREAM_EMBEDDER_*`` would configure it; the key is the process's own."""
 
-    provider: Annotated[Literal["local", "dashscope", "openai"], Field(title="Embedding provider")]
+    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")]
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", ge=1, description="Provider default.")] = None
     base_url: Annotated[str | None, Field(title="Endpoint base URL")] = None
