@@ -36,7 +36,8 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
     seconds (0: only now) through sync runs, like any connection created over the API."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
+    cipher = CredentialCipher.from_settings(settings)
+    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s, cipher=cipher)
     runner = SyncRunner(
         runs,
         runtime.pipeline,
@@ -74,7 +75,7 @@ async def serve(runtime: Runtime, sources: list[Path], host: str, port: int, syn
             failed_again=replayed.failed,
         )
 
-    connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings))
+    connections = ConnectionStore(runtime.pool, cipher)
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     reindexer = runtime.reindexer()
     rechunker = runtime.rechunker()
