@@ -18,6 +18,7 @@ from pydantic import SecretStr
 
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
 from ragstream.connectors.feishu import (
+    LARK_BASE_URL,
     FeishuAuthError,
     FeishuClient,
     FeishuConfig,
@@ -265,6 +266,10 @@ def test_the_registry_builds_it_from_a_connection_without_showing_secrets(fake_f
     connector = connector_for(row)
     assert isinstance(connector, FeishuConnector) and connector.name == "Wiki"
     assert secret.get_secret_value() not in repr(row)
+    lark = connector_for(ConnectionRow("conn-4", "lark", "Wiki", {"space_ids": [7012]}, row.credentials))
+    assert isinstance(lark, FeishuConnector) and lark.platform == "lark"
+    assert lark.settings.base_url == LARK_BASE_URL and lark.settings.space_ids == ["7012"]
+    assert lark.settings.link_base() == "https://www.larksuite.com"
     with pytest.raises(NoConnector, match="needs credentials app_secret"):
         connector_for(ConnectionRow("conn-2", "feishu", "Wiki", {}, {"app_id": SecretStr("cli_1")}))
     with pytest.raises(NoConnector, match=r"invalid config \(content_format\)"):

@@ -431,7 +431,8 @@ class FeishuConfig(BaseModel):
     """The keys of a ``feishu`` connection's config this connector reads (others, such as
     ``chunking``, belong to the pipeline)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Ignore the pipeline's keys; take space ids given as JSON numbers as the strings they are.
+    model_config = ConfigDict(extra="ignore", coerce_numbers_to_str=True)
 
     base_url: str = Field(default=FEISHU_BASE_URL, description="open.feishu.cn, open.larksuite.com or a stand-in")
     space_ids: list[str] | None = Field(default=None, description="Only these spaces; unset: every space of the app")
@@ -453,7 +454,7 @@ class _Space:
 
 
 class FeishuConnector:
-    """The docx pages of a connection's wiki spaces.
+    """The docx pages of a connection's wiki spaces; ``platform`` ``lark`` is the same API on Lark's host.
 
     ``external_id`` is ``<space_id>/<node_token>``: stable across edits and renames, and ordered by a
     walk that takes the spaces in ascending ``space_id + "/"`` order and, within a space, sorts the
@@ -468,17 +469,18 @@ class FeishuConnector:
     connection's own visibility applies (the app sees what it was granted).
     """
 
-    platform = "feishu"
-
     def __init__(
         self,
         connection_id: str,
         name: str,
         client: FeishuClient,
         settings: FeishuConfig | None = None,
+        *,
+        platform: str = "feishu",
     ) -> None:
         self.connection_id = connection_id
         self.name = name
+        self.platform = platform
         # Not named ``config``: that attribute would make the fetch stage store it (ConfiguredConnector).
         self.settings = settings or FeishuConfig()
         self._client = client
@@ -490,22 +492,26 @@ class FeishuConnector:
         name: str,
         config: Mapping[str, Any],
         credentials: Mapping[str, SecretStr],
+        *,
+        platform: str = "feishu",
         **client: Any,
     ) -> FeishuConnector:
         """Build from a stored connection; ``ValueError`` (naming fields, never values of secrets) when
-        the config or credentials cannot make one. ``client``: FeishuClient options (tests)."""
+        the config or credentials cannot make one. A ``lark`` connection defaults to the Lark host.
+        ``client``: FeishuClient options (tests)."""
         missing = [field for field in ("app_id", "app_secret") if not credentials.get(field)]
         if missing:
-            raise ValueError(f"feishu connection {connection_id} needs credentials {', '.join(missing)}")
+            raise ValueError(f"{platform} connection {connection_id} needs credentials {', '.join(missing)}")
+        defaults = {"base_url": LARK_BASE_URL} if platform == "lark" else {}
         try:
-            settings = FeishuConfig.model_validate(dict(config))
+            settings = FeishuConfig.model_validate({**defaults, **config})
         except ValidationError as error:
             fields = ", ".join(".".join(str(part) for part in item["loc"]) for item in error.errors())
-            raise ValueError(f"feishu connection {connection_id}: invalid config ({fields})") from None
+            raise ValueError(f"{platform} connection {connection_id}: invalid config ({fields})") from None
         feishu = FeishuClient(
             credentials["app_id"].get_secret_value(), credentials["app_secret"], base_url=settings.base_url, **client
         )
-        return cls(connection_id, name, feishu, settings)
+        return cls(connection_id, name, feishu, settings, platform=platform)
 
     @property
     def media_type(self) -> str:

@@ -41,9 +41,9 @@ def connector_for(row: ConnectionRow) -> Connector:
             raise NoConnector(f"folder connection {row.id} has no config.path")
         # The stored config (chunking) is kept as it is: None means "do not replace it".
         return FolderConnector(Path(path), connection_id=row.id)
-    if row.platform == "feishu":
+    if row.platform == "feishu" or row.platform == "lark":
         try:
-            return FeishuConnector.from_connection(row.id, row.name, row.config, row.credentials)
+            return FeishuConnector.from_connection(row.id, row.name, row.config, row.credentials, platform=row.platform)
         except ValueError as error:  # its message names missing fields, never a secret's value
             raise NoConnector(str(error)) from None
     raise NoConnector(f"no connector for platform {row.platform} in this build")
