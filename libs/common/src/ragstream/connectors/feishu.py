@@ -147,11 +147,17 @@ class FeishuRetry:
     max_wait_s: float = 60.0
 
 
+#: The client counts calls when it sends them, the platform when they arrive: latency jitter can
+#: bunch arrivals closer than departures, so the client's window is this much longer than documented.
+_PACING_MARGIN = 1.2
+
+
 class _Window:
-    """A sliding window: ``acquire`` waits until one more call fits in ``limit``."""
+    """A sliding window: ``acquire`` waits until one more call fits in ``limit`` (with the margin)."""
 
     def __init__(self, limit: RateLimit) -> None:
-        self._limit = limit
+        self._requests = limit.requests
+        self._period_s = limit.per_s * _PACING_MARGIN
         self._calls: deque[float] = deque()
         self._lock = asyncio.Lock()
 
@@ -159,12 +165,12 @@ class _Window:
         async with self._lock:
             while True:
                 now = time.monotonic()
-                while self._calls and now - self._calls[0] >= self._limit.per_s:
+                while self._calls and now - self._calls[0] >= self._period_s:
                     self._calls.popleft()
-                if len(self._calls) < self._limit.requests:
+                if len(self._calls) < self._requests:
                     self._calls.append(now)
                     return
-                await asyncio.sleep(self._limit.per_s - (now - self._calls[0]))
+                await asyncio.sleep(self._period_s - (now - self._calls[0]))
 
 
 @dataclass(slots=True)
