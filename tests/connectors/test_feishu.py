@@ -238,9 +238,11 @@ async def test_errors_per_document_and_for_the_whole_app(
     assert "gave up after 4 attempts" in unavailable.value.message
 
     secret = "wrong-" + uuid.uuid4().hex
+    fake_feishu.echo_secret_in_errors = True
     with pytest.raises(FeishuAuthError) as auth:
         await listed(make_connector(secret=secret))
-    assert "10014" in str(auth.value) and secret not in repr(auth.value) and auth.value.__cause__ is None
+    assert "10014" in str(auth.value) and "app secret invalid: ***" in str(auth.value)
+    assert secret not in repr(auth.value) and auth.value.__cause__ is None
     assert secret not in caplog.text and fake_feishu.app_secret not in caplog.text
 
 

@@ -134,6 +134,9 @@ class FakeFeishu:
     #: ASSUMPTION (where the platform filters a page by permission after paging): every listing's
     #: first page comes back empty with ``has_more`` true.
     empty_first_pages: bool = False
+    #: ASSUMPTION, test-only: echo a wrong app secret in the error message, as careless servers do,
+    #: to check that the client redacts it.
+    echo_secret_in_errors: bool = False
     spaces: dict[str, FakeSpace] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
@@ -212,7 +215,7 @@ class FakeFeishu:
         with self.lock:
             self.token_lifetime_s, self.reissue_window_s = 7200.0, 1800.0
             self.limits = dict(DEFAULT_LIMITS)
-            self.empty_first_pages = False
+            self.empty_first_pages = self.echo_secret_in_errors = False
             self.spaces.clear()
             self.tokens.clear()
             self.requests.clear()
@@ -375,7 +378,8 @@ def create_app(fake: FakeFeishu) -> FastAPI:
             body = None
         if not isinstance(body, dict) or body.get("app_id") != fake.app_id or body.get("app_secret") != fake.app_secret:
             # ASSUMPTION: the answer to a wrong app id or secret is not in our sources; 10014 with 400.
-            return _error(400, 10014, "app secret invalid")
+            shown = f": {body.get('app_secret')}" if fake.echo_secret_in_errors and isinstance(body, dict) else ""
+            return _error(400, 10014, f"app secret invalid{shown}")
         if fault := fake.take_fault(TOKEN_PATH):
             return _error(fault.status, fault.code, fault.msg, fault.headers)
         token, expire = fake.issue_token()
