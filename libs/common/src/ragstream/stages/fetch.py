@@ -102,7 +102,8 @@ class FetchService:
     async def run(self, sink: ChangeSink, *, index_unfinished: bool = False) -> SyncCounts:
         """One walk of the listing. ``index_unfinished``: the index side of the previous sync stopped
         before it had indexed everything staged, so staged versions are announced again even if the
-        download walk itself had completed."""
+        download walk itself had completed. A connector holding platform connections has them closed
+        at the end of the walk, whichever way it ends: every download happens within the walk."""
         try:
             return await self._walk(sink, index_unfinished)
         finally:
