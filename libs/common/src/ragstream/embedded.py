@@ -41,7 +41,8 @@ async def serve(
     seconds (0: only now) through sync runs, like any connection created over the API. The HTTP API
     listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC)."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
+    cipher = CredentialCipher.from_settings(settings)
+    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s, cipher=cipher)
     runner = SyncRunner(
         runs,
         runtime.pipeline,
@@ -79,7 +80,7 @@ async def serve(
             failed_again=replayed.failed,
         )
 
-    connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings))
+    connections = ConnectionStore(runtime.pool, cipher)
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     reindexer = runtime.reindexer()
     rechunker = runtime.rechunker()

@@ -49,6 +49,7 @@ from ragstream.control.runs import (
     Trigger,
 )
 from ragstream.control.scheduler import Scheduler
+from ragstream.credentials import CredentialCipher
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -235,7 +236,12 @@ def create_app() -> FastAPI:
         await broker.start()
         async with open_runtime(settings, settings.database_url) as runtime:
             state["runtime"] = runtime
-            stores["runs"] = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
+            stores["runs"] = SyncRunStore(
+                runtime.pool,
+                runtime.dsn,
+                stale_timeout_s=settings.sync_stale_timeout_s,
+                cipher=CredentialCipher.from_settings(settings),
+            )
             background = [asyncio.create_task(timer())] if fetcher.folders and fetcher.interval_s else []
             if settings.scheduler_enabled:
                 # One leader across the fetcher replicas enqueues due connections; every replica claims.

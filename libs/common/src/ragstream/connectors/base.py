@@ -11,13 +11,26 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Connector", "DocumentVanished", "SourceItem"]
+__all__ = ["ClosingConnector", "Connector", "DocumentUnreadable", "DocumentVanished", "SourceItem"]
 
 
 class DocumentVanished(Exception):
     """The item was listed but is gone when fetched (deleted mid-sync); it counts as deleted."""
+
+
+class DocumentUnreadable(Exception):
+    """The platform refused this one document (no permission on it, an error that outlasted the
+    retries): it is recorded failed with ``code`` and ``message`` while the sync goes on. Raised
+    instead of a platform error so that one document never fails a whole sync; ``retryable`` says
+    whether the next sync or a replay may succeed without anyone changing anything."""
+
+    def __init__(self, code: str, message: str, *, retryable: bool) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,5 +68,14 @@ class Connector(Protocol):
         ...
 
     async def fetch(self, item: SourceItem) -> bytes:
-        """The raw content of one listed item; raises ``DocumentVanished`` if it is gone."""
+        """The raw content of one listed item; raises ``DocumentVanished`` if it is gone and
+        ``DocumentUnreadable`` if the platform refuses this item alone."""
         ...
+
+
+@runtime_checkable
+class ClosingConnector(Protocol):
+    """A connector holding connections to its platform (an HTTP pool): the fetch stage closes them
+    at the end of every walk, and the connector reopens them if it is used again."""
+
+    async def aclose(self) -> None: ...

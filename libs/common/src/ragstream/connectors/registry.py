@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from ragstream.connectors.base import Connector
+from ragstream.connectors.feishu import FeishuConnector
 from ragstream.connectors.folder import FolderConnector
 from ragstream.storage.documents import DocumentStore
 
@@ -20,12 +23,14 @@ class NoConnector(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ConnectionRow:
-    """The columns of ``connections`` a connector is built from."""
+    """The columns of ``connections`` a connector is built from. ``credentials`` are decrypted, each
+    value a ``SecretStr`` (a repr or a log line shows ``'**********'``); empty for a folder."""
 
     id: str
     platform: str
     name: str
     config: Mapping[str, Any] = field(default_factory=dict)
+    credentials: Mapping[str, SecretStr] = field(default_factory=dict)
 
 
 def connector_for(row: ConnectionRow) -> Connector:
@@ -36,6 +41,11 @@ def connector_for(row: ConnectionRow) -> Connector:
             raise NoConnector(f"folder connection {row.id} has no config.path")
         # The stored config (chunking) is kept as it is: None means "do not replace it".
         return FolderConnector(Path(path), connection_id=row.id)
+    if row.platform == "feishu" or row.platform == "lark":
+        try:
+            return FeishuConnector.from_connection(row.id, row.name, row.config, row.credentials, platform=row.platform)
+        except ValueError as error:  # its message names missing fields, never a secret's value
+            raise NoConnector(str(error)) from None
     raise NoConnector(f"no connector for platform {row.platform} in this build")
 
 

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -25,6 +25,7 @@ from typing import Any, Literal
 import asyncpg
 
 from ragstream.connectors.registry import ConnectionRow
+from ragstream.credentials import CredentialCipher
 from ragstream.storage.cursors import Direction
 
 __all__ = [
@@ -257,12 +258,17 @@ class SyncRunStore:
 
     ``dsn`` is the pool's database: a run this store makes ``syncing`` (``claim``, a running
     ``start``) is owned by this store's session until ``finish``. Use one store per process and
-    ``aclose`` it on shutdown."""
+    ``aclose`` it on shutdown. ``cipher`` decrypts a connection's credentials for its connector
+    (``connection``); without one, a connection that has credentials cannot be synced
+    (``CredentialKeyMissing``)."""
 
-    def __init__(self, pool: asyncpg.Pool, dsn: str, *, stale_timeout_s: float = 1800) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, dsn: str, *, stale_timeout_s: float = 1800, cipher: CredentialCipher | None = None
+    ) -> None:
         self._pool = pool
         self._owner = _RunOwner(dsn)
         self._stale_timeout_s = stale_timeout_s
+        self._cipher = cipher or CredentialCipher([])
 
     async def aclose(self) -> None:
         await self._owner.close()
@@ -273,10 +279,15 @@ class SyncRunStore:
         await self._owner.release(run_id)
 
     async def connection(self, connection_id: str) -> ConnectionRow | None:
+        """The connection a run syncs, with its credentials decrypted for the connector."""
         row = await self._pool.fetchrow(
-            "SELECT id, platform, name, config FROM connections WHERE id = $1", connection_id
+            "SELECT id, platform, name, config, credentials FROM connections WHERE id = $1", connection_id
         )
-        return _connection(row) if row is not None else None
+        if row is None:
+            return None
+        token = row["credentials"]
+        credentials = self._cipher.decrypt(bytes(token)) if token is not None else {}
+        return replace(_connection(row), credentials=credentials)
 
     async def set_schedule(self, connection_id: str, schedule_seconds: int) -> None:
         await self._pool.execute(

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ragstream.connectors.base import Connector, DocumentVanished, SourceItem
+from ragstream.connectors.base import ClosingConnector, Connector, DocumentUnreadable, DocumentVanished, SourceItem
 from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
@@ -102,7 +102,15 @@ class FetchService:
     async def run(self, sink: ChangeSink, *, index_unfinished: bool = False) -> SyncCounts:
         """One walk of the listing. ``index_unfinished``: the index side of the previous sync stopped
         before it had indexed everything staged, so staged versions are announced again even if the
-        download walk itself had completed."""
+        download walk itself had completed. A connector holding platform connections has them closed
+        at the end of the walk, whichever way it ends: every download happens within the walk."""
+        try:
+            return await self._walk(sink, index_unfinished)
+        finally:
+            if isinstance(self._connector, ClosingConnector):
+                await self._connector.aclose()
+
+    async def _walk(self, sink: ChangeSink, index_unfinished: bool) -> SyncCounts:
         connection_id = self._connector.connection_id
         cursors = self._store.cursors
         walk = await cursors.begin(connection_id, "download")
@@ -224,6 +232,10 @@ class FetchService:
             content = await self._connector.fetch(item)
         except DocumentVanished:
             return False
+        except DocumentUnreadable as error:
+            await self._fail(item, header_id, error.code, error.message, retryable=error.retryable)
+            counts.failed += 1
+            return True
         except OSError as error:
             await self._fail(item, header_id, "unreadable", f"cannot read: {error.strerror or error}")
             counts.failed += 1
@@ -262,10 +274,12 @@ class FetchService:
             metadata=dict(item.metadata),
         )
 
-    async def _fail(self, item: SourceItem, header_id: str, code: str, message: str) -> None:
+    async def _fail(
+        self, item: SourceItem, header_id: str, code: str, message: str, *, retryable: bool = False
+    ) -> None:
         version = await self._store.next_version()
         header = self._header(item, header_id, version, "")
-        await record_failure(self._store, header, "fetch", StageFailure(code, message, retryable=False))
+        await record_failure(self._store, header, "fetch", StageFailure(code, message, retryable=retryable))
 
     async def _announce_deleted(self, gone: CommittedDocument, sink: ChangeSink) -> None:
         """A tombstone with a fresh version, which outranks every version staged or committed before."""
