@@ -461,3 +461,21 @@ async def settled(client: httpx.AsyncClient, path: str) -> dict[str, Any]:
             return body
         await asyncio.sleep(0.1)
     raise AssertionError(f"{path} still running")
+
+
+async def test_deleting_the_last_connection_pinned_to_a_model_drops_its_table(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    runtime = runtime_db
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces)
+    async with api(runtime, reindexer) as client:
+        first = await create(client, write(tmp_path / "first", PINNED_DOCS), dashscope_spec(fake_dashscope))
+        second = await create(client, write(tmp_path / "second", PINNED_DOCS), dashscope_spec(fake_dashscope))
+        await sync(runtime, first, tmp_path / "first")
+        await sync(runtime, second, tmp_path / "second")
+        assert (await client.delete(f"/v1/connections/{first}")).status_code == 204
+        assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("idle", True)}
+        assert set(await vectors(runtime, DASHSCOPE_KEY, second)) == await chunk_ids(runtime, second)
+        assert (await client.delete(f"/v1/connections/{second}")).status_code == 204
+    assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
+    await reindexer.aclose()

@@ -20,7 +20,7 @@ import asyncpg
 from pydantic import SecretStr
 
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
-from ragstream.storage.spaces import pin_space
+from ragstream.storage.spaces import drop_space_if_unused, pin_space
 
 __all__ = ["Connection", "ConnectionStore", "PinnedModel", "RagSwitch", "new_connection_id"]
 
@@ -235,7 +235,12 @@ class ConnectionStore:
                 await connection.execute(f"DELETE FROM {table} WHERE document_id = ANY($1::text[])", ids)
             await connection.execute("DELETE FROM staged_documents WHERE connection_id = $1", connection_id)
             # Cascades: documents -> chunks -> embeddings_<n>, document_failures, sync_runs, sync_cursors.
-            deleted = await connection.fetchval("DELETE FROM connections WHERE id = $1 RETURNING id", connection_id)
+            deleted = await connection.fetchrow(
+                "DELETE FROM connections WHERE id = $1 RETURNING id, embedding_model_key", connection_id
+            )
+            if deleted is not None and deleted["embedding_model_key"] is not None:
+                # The last connection pinned to a model takes its (now empty) table with it.
+                await drop_space_if_unused(connection, deleted["embedding_model_key"])
         return deleted is not None
 
     async def credentials(self, connection_id: str) -> dict[str, SecretStr] | None:

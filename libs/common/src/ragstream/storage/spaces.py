@@ -25,6 +25,7 @@ __all__ = [
     "SpaceStatus",
     "SpaceStore",
     "UnknownConnection",
+    "drop_space_if_unused",
     "lock_space",
     "pin_space",
 ]
@@ -208,6 +209,16 @@ def _members(connection_id: str | None, param: int) -> tuple[str, list[Any]]:
     if connection_id is None:
         return f"{_MEMBER_JOINS} WHERE k.embedding_model_key IS NULL", []
     return f"{_MEMBER_JOINS} WHERE k.id = ${param}", [connection_id]
+
+
+async def drop_space_if_unused(connection: asyncpg.Connection, model_key: str) -> bool:
+    """Drop the table of ``model_key`` when nothing uses it any more (``SpaceStore._drop_if_unused``):
+    for the caller's transaction that has just unpinned or deleted the last connection pinned to it."""
+    await connection.execute(_CREATE_LOCK)
+    row = await connection.fetchrow("SELECT * FROM embedding_spaces WHERE model_key = $1 FOR UPDATE", model_key)
+    if row is None or row["status"] == "retired":
+        return False
+    return await SpaceStore._drop_if_unused(connection, _space(row))
 
 
 class SpaceStore:
