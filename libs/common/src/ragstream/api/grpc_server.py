@@ -105,6 +105,7 @@ def search_response(response: SearchResponse) -> retrieval_pb2.SearchResponse:
         results=[retrieval_pb2.SearchResult(**result.model_dump()) for result in response.results],
         reranked=response.reranked,
         embedding_space=response.embedding_space,
+        embedding_spaces=response.embedding_spaces,
         took_ms=response.took_ms,
     )
 

@@ -300,6 +300,7 @@ class SearchResult(_message.Message):
     PREVIEW_FIELD_NUMBER: _builtins.int
     VECTOR_RANK_FIELD_NUMBER: _builtins.int
     KEYWORD_RANK_FIELD_NUMBER: _builtins.int
+    EMBEDDING_SPACE_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     """1-based rank after fusion (and rerank)."""
     score: _builtins.float
@@ -329,6 +330,8 @@ class SearchResult(_message.Message):
     """Rank in the vector leg; unset when the vector leg did not return this chunk."""
     keyword_rank: _builtins.int
     """Rank in the keyword leg; unset when the keyword leg did not return this chunk."""
+    embedding_space: _builtins.str
+    """Embedding space (model key) of the chunk's connection: the vector leg that searched it."""
     def __init__(
         self,
         *,
@@ -348,17 +351,22 @@ class SearchResult(_message.Message):
         preview: _builtins.str = ...,
         vector_rank: _builtins.int | None = ...,
         keyword_rank: _builtins.int | None = ...,
+        embedding_space: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "keyword_rank", b"keyword_rank", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "embedding_space", b"embedding_space", "keyword_rank", b"keyword_rank", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "chunk_id", b"chunk_id", "citation_index", b"citation_index", "connection_id", b"connection_id", "document_id", b"document_id", "heading", b"heading", "keyword_rank", b"keyword_rank", "knowledge_base", b"knowledge_base", "platform", b"platform", "preview", b"preview", "rank", b"rank", "score", b"score", "source", b"source", "text", b"text", "title", b"title", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "chunk_id", b"chunk_id", "citation_index", b"citation_index", "connection_id", b"connection_id", "document_id", b"document_id", "embedding_space", b"embedding_space", "heading", b"heading", "keyword_rank", b"keyword_rank", "knowledge_base", b"knowledge_base", "platform", b"platform", "preview", b"preview", "rank", b"rank", "score", b"score", "source", b"source", "text", b"text", "title", b"title", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__embedding_space: _TypeAlias = _typing.Literal["embedding_space"]  # noqa: Y015
+    _WhichOneofArgType__embedding_space: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space"]  # noqa: Y015
     _WhichOneofReturnType__keyword_rank: _TypeAlias = _typing.Literal["keyword_rank"]  # noqa: Y015
     _WhichOneofArgType__keyword_rank: _TypeAlias = _typing.Literal["_keyword_rank", b"_keyword_rank"]  # noqa: Y015
     _WhichOneofReturnType__url: _TypeAlias = _typing.Literal["url"]  # noqa: Y015
     _WhichOneofArgType__url: _TypeAlias = _typing.Literal["_url", b"_url"]  # noqa: Y015
     _WhichOneofReturnType__vector_rank: _TypeAlias = _typing.Literal["vector_rank"]  # noqa: Y015
     _WhichOneofArgType__vector_rank: _TypeAlias = _typing.Literal["_vector_rank", b"_vector_rank"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__embedding_space) -> _WhichOneofReturnType__embedding_space | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__keyword_rank) -> _WhichOneofReturnType__keyword_rank | None: ...
     @_typing.overload
@@ -378,6 +386,7 @@ class SearchResponse(_message.Message):
     RERANKED_FIELD_NUMBER: _builtins.int
     EMBEDDING_SPACE_FIELD_NUMBER: _builtins.int
     TOOK_MS_FIELD_NUMBER: _builtins.int
+    EMBEDDING_SPACES_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The query as sent."""
     rewritten_query: _builtins.str
@@ -385,12 +394,18 @@ class SearchResponse(_message.Message):
     reranked: _builtins.bool
     """Whether a reranker ordered the results (false when it is off or fell back to the fused order)."""
     embedding_space: _builtins.str
-    """Embedding space (model key) of the vector leg; unset when nothing is embedded yet."""
+    """Embedding space (model key) of the vector leg, the default space's when several were searched;
+    unset when nothing is embedded yet.
+    """
     took_ms: _builtins.float
     """Server-side time of the search in milliseconds."""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SearchResult]:
         """Results, best first."""
+
+    @_builtins.property
+    def embedding_spaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every space searched: one vector leg per model of the connections in scope, the default first."""
 
     def __init__(
         self,
@@ -401,10 +416,11 @@ class SearchResponse(_message.Message):
         reranked: _builtins.bool = ...,
         embedding_space: _builtins.str | None = ...,
         took_ms: _builtins.float = ...,
+        embedding_spaces: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "rewritten_query", b"rewritten_query"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "query", b"query", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__embedding_space: _TypeAlias = _typing.Literal["embedding_space"]  # noqa: Y015
     _WhichOneofArgType__embedding_space: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space"]  # noqa: Y015
