@@ -13,9 +13,10 @@ into several chunks counts once, at its best rank.
     make bench-quality  (or .venv/bin/python bench/quality.py)                   # both languages
     ... bench/quality.py --lang en --limit 3000 --queries 300                    # a quick iteration
     ... bench/quality.py --tune [bm25] [fusion]                                  # + the BM25 and/or fusion grids
+    ... bench/quality.py --lang zh --provider onnx                               # BGE small zh instead of USE
 
-The index is kept in ``--data-dir`` (one database per language and corpus size), so a second run
-only queries. ``--tune`` scores every (k1, b) of the BM25 grid from one pass of term statistics per
+The index is kept in ``--data-dir`` (one database per language, corpus size and embedding model), so a
+second run only queries. ``--tune`` scores every (k1, b) of the BM25 grid from one pass of term statistics per
 query (the same formula as the SQL, checked against it), and every RRF (k, weight) and convex alpha
 by the retriever's own fusion functions on the legs' SQL output. The chosen fusion then also runs end
 to end through ``HybridRetriever.search``. ``--skip-queries`` confirms a choice on queries it was not
