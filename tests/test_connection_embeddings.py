@@ -31,7 +31,7 @@ from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents import document_id
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
 from tests.support.connections import BoundFolder, private_database
-from tests.support.embedders import HashEmbedder, hash_vector
+from tests.support.embedders import HashEmbedder, hash_vector, space_states
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -155,14 +155,6 @@ def sent(fake: FakeDashScope, kind: str) -> list[str]:
         if isinstance(request.body, dict) and request.body.get("parameters", {}).get("text_type") == kind
         for text in request.body["input"]["texts"]
     ]
-
-
-async def spaces(runtime: Runtime) -> dict[str, tuple[str, bool]]:
-    """Status of each space and whether its table exists."""
-    rows = await runtime.pool.fetch(
-        "SELECT model_key, status, to_regclass(table_name) IS NOT NULL AS t FROM embedding_spaces"
-    )
-    return {row["model_key"]: (row["status"], row["t"]) for row in rows}
 
 
 async def test_each_connection_indexes_and_searches_with_its_own_model(
@@ -302,7 +294,7 @@ async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes
     edited = await search(runtime, "aardvark vault", moving)
     assert edited.embedding_spaces == [DASHSCOPE_KEY]
     assert edited.results[0].text.endswith("never expire.") and edited.results[0].vector_rank == 1
-    assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("idle", True)}
+    assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("idle", True)}
     await reindexer.aclose()
 
 
@@ -399,7 +391,7 @@ async def test_a_deployment_wide_reindex_leaves_pinned_connections_and_their_tab
     assert await vectors(runtime, LOCAL_KEY, on_a) == kept[on_a]
     assert await vectors(runtime, LOCAL_KEY, follower) == {}  # the old default keeps only its pinned one
     assert set(await vectors(runtime, target.model_key, follower)) == await chunk_ids(runtime, follower)
-    assert await spaces(runtime) == {
+    assert await space_states(runtime) == {
         LOCAL_KEY: ("idle", True),
         DASHSCOPE_KEY: ("idle", True),
         target.model_key: ("active", True),
@@ -447,7 +439,7 @@ async def test_a_cancelled_change_resumes_and_null_goes_back_to_the_default_drop
         assert (body["source_key"], body["target_key"]) == (DASHSCOPE_KEY, LOCAL_KEY)
         assert "embedding" not in (await client.get(path)).json()["config"]
     assert set(await vectors(runtime, LOCAL_KEY, connection)) == await chunk_ids(runtime, connection)
-    assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
+    assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
     response = await search(runtime, "rotate the keys", connection)
     assert response.embedding_spaces == [LOCAL_KEY] and response.results[0].vector_rank == 1
     await reindexer.aclose()
@@ -474,8 +466,8 @@ async def test_deleting_the_last_connection_pinned_to_a_model_drops_its_table(
         await sync(runtime, first, tmp_path / "first")
         await sync(runtime, second, tmp_path / "second")
         assert (await client.delete(f"/v1/connections/{first}")).status_code == 204
-        assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("idle", True)}
+        assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("idle", True)}
         assert set(await vectors(runtime, DASHSCOPE_KEY, second)) == await chunk_ids(runtime, second)
         assert (await client.delete(f"/v1/connections/{second}")).status_code == 204
-    assert await spaces(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
+    assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
     await reindexer.aclose()

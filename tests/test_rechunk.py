@@ -420,33 +420,27 @@ async def test_patching_the_chunking_config_rechunks_in_the_background(
     await assert_one_clean_version(runtime, connection, files)
 
 
+SMALL_RECURSIVE = ("--chunk-size", "200", "--chunk-overlap", "0")  # makes NEW
+
+
+async def cli(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``ragstream ARGS`` in a process of its own, on the test database, with a wide progress bar."""
+    env = {**os.environ, "DATABASE_URL": database_url, "COLUMNS": "160"}
+    command = [sys.executable, "-m", "ragstream.cli", *args]
+    return await asyncio.to_thread(subprocess.run, command, env=env, capture_output=True, text=True, timeout=300)
+
+
 async def test_the_command_shows_progress_and_switches(
     runtime: Runtime, corpus_connection: tuple[Path, str], database_url: str
 ) -> None:
     folder, connection = corpus_connection
-    env = {**os.environ, "DATABASE_URL": database_url, "COLUMNS": "160"}
-    command = [sys.executable, "-m", "ragstream.cli", "rechunk", str(folder), "--chunker", "recursive"]
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [*command, "--chunk-size", "200", "--chunk-overlap", "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = await cli(database_url, "rechunk", str(folder), "--chunker", "recursive", *SMALL_RECURSIVE)
     assert done.returncode == 0, done.stderr
     assert f"{len(TOPICS)}/{len(TOPICS)}" in done.stderr and "docs/s" in done.stderr
     assert "search now uses index version" in done.stderr
     files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
-    missing = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "ragstream.cli", "rechunk", "nope", "--chunker", "token"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    missing = await cli(database_url, "rechunk", "nope", "--chunker", "token")
     assert missing.returncode == 1 and "cannot re-chunk" in missing.stderr
 
 
@@ -455,27 +449,11 @@ async def test_ingest_with_another_chunker_rechunks_the_indexed_files_first(
 ) -> None:
     folder, connection = corpus_connection
     (folder / "added.md").write_text(document("added", "A file the ingest itself indexes, with the new config."))
-    env = {**os.environ, "DATABASE_URL": database_url, "COLUMNS": "160"}
-    options = ["--chunker", "recursive", "--chunk-size", "200", "--chunk-overlap", "0"]
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "ragstream.cli", "ingest", str(folder), *options],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = await cli(database_url, "ingest", str(folder), "--chunker", "recursive", *SMALL_RECURSIVE)
     assert done.returncode == 0, done.stderr
     assert "search now uses index version" in done.stderr
     files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
     # Once stored, the same options only sync.
-    again = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "ragstream.cli", "ingest", str(folder), *options],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = await cli(database_url, "ingest", str(folder), "--chunker", "recursive", *SMALL_RECURSIVE)
     assert again.returncode == 0 and "re-chunk" not in again.stderr, again.stderr

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
+from ragstream.runtime import Runtime
 
-__all__ = ["HashEmbedder", "hash_vector"]
+__all__ = ["HashEmbedder", "hash_vector", "space_states"]
 
 
 def hash_vector(text: str, dimension: int) -> Vectors:
@@ -50,3 +51,11 @@ class HashEmbedder:
 
     async def aclose(self) -> None:
         return None
+
+
+async def space_states(runtime: Runtime) -> dict[str, tuple[str, bool]]:
+    """Status of each embedding space and whether its table exists."""
+    rows = await runtime.pool.fetch(
+        "SELECT model_key, status, to_regclass(table_name) IS NOT NULL AS t FROM embedding_spaces"
+    )
+    return {row["model_key"]: (row["status"], row["t"]) for row in rows}

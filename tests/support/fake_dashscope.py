@@ -18,7 +18,6 @@ import hashlib
 import json
 import random
 import re
-import socket
 import threading
 import time
 import uuid
@@ -31,9 +30,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from tests.support.http_server import serve_in_thread
 
 __all__ = [
     "CHAT_PATH",
@@ -492,43 +492,13 @@ def create_app(fake: FakeDashScope) -> FastAPI:
     return app
 
 
-def _free_socket() -> socket.socket:
-    # Bound before uvicorn starts and handed over, so there is no window in which another
-    # process can grab the port between "find a free port" and "listen on it".
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @contextmanager
 def run_fake_dashscope(api_key: str = DEFAULT_API_KEY, batch_cap: int = 10) -> Iterator[FakeDashScope]:
     """Serve a fresh fake on 127.0.0.1 in a background thread for the duration of the block."""
     fake = FakeDashScope(api_key=api_key, batch_cap=batch_cap)
-    sock = _free_socket()
-    host, port = sock.getsockname()
-    config = uvicorn.Config(
-        create_app(fake),
-        log_level="warning",
-        lifespan="off",
-        # Requests abandoned by a timed-out client keep sleeping server-side; don't wait long.
-        timeout_graceful_shutdown=1,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="fake-dashscope", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("fake DashScope did not start")
-        time.sleep(0.01)
-    fake.base_url = f"http://{host}:{port}"
-    try:
+    with serve_in_thread(create_app(fake), "fake-dashscope") as base_url:
+        fake.base_url = base_url
         yield fake
-    finally:
-        server.should_exit = True
-        thread.join(timeout=5)
-        sock.close()
 
 
 @pytest.fixture(scope="session")

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.support.fake_dashscope import _free_socket
+from tests.support.http_server import serve_in_thread
 
 __all__ = [
     "DEFAULT_APP_ID",
@@ -469,25 +468,9 @@ def create_app(fake: FakeFeishu) -> FastAPI:
 def run_fake_feishu() -> Iterator[FakeFeishu]:
     """Serve a fresh fake on 127.0.0.1 in a background thread for the duration of the block."""
     fake = FakeFeishu()
-    sock = _free_socket()
-    host, port = sock.getsockname()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(fake), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="fake-feishu", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("fake Feishu did not start")
-        time.sleep(0.01)
-    fake.base_url = f"http://{host}:{port}"
-    try:
+    with serve_in_thread(create_app(fake), "fake-feishu") as base_url:
+        fake.base_url = base_url
         yield fake
-    finally:
-        server.should_exit = True
-        thread.join(timeout=5)
-        sock.close()
 
 
 @pytest.fixture(scope="session")
