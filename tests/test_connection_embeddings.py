@@ -24,14 +24,14 @@ from ragstream.messages import ChunkPayload, DocumentHeader
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.reindex import Reindexer
 from ragstream.retrieval import SearchFilters, SearchRequest, SearchResponse
-from ragstream.runtime import Runtime, open_runtime
-from ragstream.settings import EmbeddingSettings, Settings
+from ragstream.runtime import Runtime
+from ragstream.settings import Settings
 from ragstream.stages.embed import EmbedService, embedding_input
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents import document_id
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
-from tests.support.connections import BoundFolder, private_database
-from tests.support.embedders import HashEmbedder, hash_vector, space_states
+from tests.support.connections import BoundFolder
+from tests.support.embedders import HashEmbedder, dashscope_spec, hash_vector, private_runtime, space_states
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -58,14 +58,8 @@ QUERIES = ["install the package on linux", "rotate the api keys", "restore the n
 @pytest.fixture
 async def runtime_db(database_url: str, fake_dashscope: FakeDashScope) -> AsyncIterator[Runtime]:
     """A runtime (local model active) on a database of its own: pins and switches stay in it."""
-    async with private_database(database_url) as dsn:
-        settings = Settings(database_url=dsn, embedding=EmbeddingSettings(api_key=fake_dashscope.api_key))
-        async with open_runtime(settings, dsn) as runtime:
-            yield runtime
-
-
-def dashscope_spec(fake: FakeDashScope) -> dict[str, Any]:
-    return {"provider": "dashscope", "model": "text-embedding-v3", "dimension": 256, "base_url": fake.base_url}
+    async with private_runtime(database_url, fake_dashscope) as runtime:
+        yield runtime
 
 
 async def ready() -> bool:

@@ -23,16 +23,14 @@ from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.reindex import Reindexer, ReindexProgress
 from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
-from ragstream.runtime import Runtime, open_runtime
-from ragstream.settings import EmbeddingSettings, Settings
+from ragstream.runtime import Runtime
 from ragstream.stages.embed import embedding_input
 from ragstream.stages.index import MixedEmbeddingModelsError
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents import document_id
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
-from tests.support.connections import private_database
-from tests.support.embedders import HashEmbedder, hash_vector, space_states
+from tests.support.embedders import HashEmbedder, dashscope_spec, hash_vector, private_runtime, space_states
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -56,14 +54,8 @@ TOPICS = {
 @pytest.fixture
 async def runtime_db(database_url: str, fake_dashscope: FakeDashScope) -> AsyncIterator[Runtime]:
     """A runtime (local model active) on a database of its own: a switch must not reach other tests."""
-    async with private_database(database_url) as dsn:
-        settings = Settings(database_url=dsn, embedding=EmbeddingSettings(api_key=fake_dashscope.api_key))
-        async with open_runtime(settings, dsn) as runtime:
-            yield runtime
-
-
-def dashscope_spec(fake: FakeDashScope) -> dict[str, object]:
-    return {"provider": "dashscope", "model": "text-embedding-v3", "dimension": 256, "base_url": fake.base_url}
+    async with private_runtime(database_url, fake_dashscope) as runtime:
+        yield runtime
 
 
 def write(folder: Path, files: dict[str, str]) -> None:

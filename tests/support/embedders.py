@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
-from ragstream.runtime import Runtime
+from ragstream.runtime import Runtime, open_runtime
+from ragstream.settings import EmbeddingSettings, Settings
+from tests.support.connections import private_database
 
-__all__ = ["HashEmbedder", "hash_vector", "space_states"]
+if TYPE_CHECKING:
+    from tests.support.fake_dashscope import FakeDashScope
+
+__all__ = ["HashEmbedder", "dashscope_spec", "hash_vector", "private_runtime", "space_states"]
 
 
 def hash_vector(text: str, dimension: int) -> Vectors:
@@ -59,3 +66,18 @@ async def space_states(runtime: Runtime) -> dict[str, tuple[str, bool]]:
         "SELECT model_key, status, to_regclass(table_name) IS NOT NULL AS t FROM embedding_spaces"
     )
     return {row["model_key"]: (row["status"], row["t"]) for row in rows}
+
+
+@asynccontextmanager
+async def private_runtime(database_url: str, fake: FakeDashScope) -> AsyncIterator[Runtime]:
+    """A runtime (local model active) on a database of its own, with the fake's key for a second
+    model: re-indexes, pins and switches stay in it."""
+    async with private_database(database_url) as dsn:
+        settings = Settings(database_url=dsn, embedding=EmbeddingSettings(api_key=fake.api_key))
+        async with open_runtime(settings, dsn) as runtime:
+            yield runtime
+
+
+def dashscope_spec(fake: FakeDashScope) -> dict[str, Any]:
+    """The spec of the fake's text-embedding-v3 at 256 dimensions: model B of the re-index tests."""
+    return {"provider": "dashscope", "model": "text-embedding-v3", "dimension": 256, "base_url": fake.base_url}
