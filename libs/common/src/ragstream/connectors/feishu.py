@@ -31,15 +31,16 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
+from ragstream.connectors.vendor_http import RateLimit, RetryPolicy, Transient, VendorError, VendorHttp, json_body
+from ragstream.connectors.vendor_http import retry_after as platform_wait
 
 __all__ = [
     "FEISHU_BASE_URL",
@@ -52,6 +53,7 @@ __all__ = [
     "FeishuLimits",
     "FeishuRetry",
     "RateLimit",
+    "TenantTokenAuth",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,19 +83,14 @@ GONE_CODES = frozenset({1002, 1770002})
 #: ``page_size`` maximum of the spaces and nodes lists (§2.2).
 PAGE_SIZE = 50
 
-_REDACTED = "***"
+#: Retries and backoff of the Feishu calls (the shared policy under its old name).
+FeishuRetry = RetryPolicy
 
 
-class FeishuError(Exception):
+class FeishuError(VendorError):
     """What the platform answered (``status``, envelope ``code`` and ``msg``), without any secret.
 
     ``retryable``: a later attempt may succeed unchanged (throttled, 5xx, network)."""
-
-    def __init__(self, message: str, *, status: int | None = None, code: int | None = None, retryable: bool) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.retryable = retryable
 
     @property
     def denied(self) -> bool:
@@ -109,68 +106,14 @@ class FeishuAuthError(FeishuError):
     the sync rather than each document."""
 
 
-class _Transient(Exception):
-    """Internal to the retry loop; ``retry_after`` is the platform's own wait (x-ogw-ratelimit-reset)."""
-
-    def __init__(self, error: FeishuError, retry_after: float | None = None) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimit:
-    """At most ``requests`` calls in any ``per_s`` seconds."""
-
-    requests: int
-    per_s: float
-
-
 @dataclass(frozen=True, slots=True)
 class FeishuLimits:
     """Client-side pacing per API group, from the documented windows (§2.6). ``content`` is documented
     for docs/v1/content; ASSUMPTION: raw_content shares the 5/s of the docx APIs. The windows are per
     app and tenant at the platform, so two connections of one app share them: the retries absorb it."""
 
-    wiki: RateLimit = RateLimit(100, 60.0)
-    content: RateLimit = RateLimit(5, 1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class FeishuRetry:
-    """Retries after the first attempt, and the jittered exponential backoff between them. A throttled
-    call waits what the platform says instead, up to ``max_wait_s``."""
-
-    max_retries: int = 5
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    max_wait_s: float = 60.0
-
-
-#: The client counts calls when it sends them, the platform when they arrive: latency jitter can
-#: bunch arrivals closer than departures, so the client's window is this much longer than documented.
-_PACING_MARGIN = 1.2
-
-
-class _Window:
-    """A sliding window: ``acquire`` waits until one more call fits in ``limit`` (with the margin)."""
-
-    def __init__(self, limit: RateLimit) -> None:
-        self._requests = limit.requests
-        self._period_s = limit.per_s * _PACING_MARGIN
-        self._calls: deque[float] = deque()
-        self._lock = asyncio.Lock()
-
-    async def acquire(self) -> None:
-        async with self._lock:
-            while True:
-                now = time.monotonic()
-                while self._calls and now - self._calls[0] >= self._period_s:
-                    self._calls.popleft()
-                if len(self._calls) < self._requests:
-                    self._calls.append(now)
-                    return
-                await asyncio.sleep(self._period_s - (now - self._calls[0]))
+    wiki: RateLimit = field(default_factory=lambda: RateLimit(100, 60.0))
+    content: RateLimit = field(default_factory=lambda: RateLimit(5, 1.0))
 
 
 @dataclass(slots=True)
@@ -179,25 +122,29 @@ class _Token:
     expires_at: float  # time.monotonic()
 
 
-def _redact(text: str, secrets: Iterable[str]) -> str:
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, _REDACTED)
-    return text
+class TenantTokenAuth(httpx.Auth):
+    """Sends the tenant token as a Bearer header; when the platform answers one of the invalid-token
+    codes, asks ``tokens`` for a new one (passing the rejected token) and sends the request once more.
+    That repeat is not paced again: it replaces a call the platform refused at once."""
 
+    def __init__(self, tokens: Callable[[str | None], Awaitable[str]]) -> None:
+        self._tokens = tokens
 
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return max(float(response.headers["x-ogw-ratelimit-reset"]), 0.0)
-    except (KeyError, ValueError):
-        return None
+    async def async_auth_flow(self, request: httpx.Request) -> AsyncGenerator[httpx.Request, httpx.Response]:
+        token = await self._tokens(None)
+        request.headers["Authorization"] = f"Bearer {token}"
+        response = yield request
+        await response.aread()  # the envelope's code tells an invalid token
+        if json_body(response).get("code") in TOKEN_INVALID_CODES:
+            request.headers["Authorization"] = f"Bearer {await self._tokens(token)}"
+            yield request
 
 
 class FeishuClient:
     """The open-platform calls the connector makes, with the tenant token, pacing and retries.
 
-    The ``httpx.AsyncClient`` is built on first use and closed by ``aclose``; the token cache outlives
-    it, so a connector reused for another sync does not ask for a token again."""
+    The HTTP pool is opened on first use and closed by ``aclose``; the token cache outlives it, so a
+    connector reused for another sync does not ask for a token again."""
 
     def __init__(
         self,
@@ -206,7 +153,7 @@ class FeishuClient:
         *,
         base_url: str = FEISHU_BASE_URL,
         timeout_s: float = 30.0,
-        retry: FeishuRetry | None = None,
+        retry: RetryPolicy | None = None,
         limits: FeishuLimits | None = None,
         token_refresh_margin_s: float = 180.0,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -215,33 +162,29 @@ class FeishuClient:
             raise ValueError("a Feishu client needs app_id and app_secret")
         self._app_id = app_id
         self._app_secret = app_secret
-        self._base_url = base_url.rstrip("/")
-        self._timeout_s = timeout_s
-        self._retry = retry or FeishuRetry()
         limits = limits or FeishuLimits()
-        self._windows = {"wiki": _Window(limits.wiki), "content": _Window(limits.content)}
+        self._http = VendorHttp(
+            "feishu",
+            base_url,
+            timeout_s=timeout_s,
+            limits={"wiki": limits.wiki, "content": limits.content},
+            retry=retry,
+            transport=transport,
+            secrets=lambda: [self._app_secret.get_secret_value(), *self._issued],
+            error_type=FeishuError,
+        )
+        self._auth = TenantTokenAuth(self._tenant_token)
         self._margin_s = token_refresh_margin_s
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
         self._token: _Token | None = None
         self._token_lock = asyncio.Lock()
         # Every token ever issued to this client, for redaction (a server may echo the one it rejected).
         self._issued: set[str] = set()
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                base_url=self._base_url, timeout=httpx.Timeout(self._timeout_s), transport=self._transport
-            )
-        return self._client
-
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self._http.aclose()
 
     def redact(self, text: str) -> str:
-        return _redact(text, [self._app_secret.get_secret_value(), *self._issued])
+        return self._http.redact(text)
 
     # -- the calls ---------------------------------------------------------------------------
 
@@ -302,65 +245,17 @@ class FeishuClient:
 
     async def _get(self, path: str, params: Mapping[str, str], group: str) -> dict[str, Any]:
         """``data`` of a successful answer, after the retries; raises ``FeishuError``."""
-        body = await self._with_retries(lambda: self._call_once(path, params, group), path)
+        body = await self._http.retrying(lambda: self._call_once(path, params, group), path)
         data = body.get("data")
         return data if isinstance(data, dict) else {}
 
-    async def _with_retries(self, call: Callable[[], Awaitable[dict[str, Any]]], what: str) -> dict[str, Any]:
-        exponential = wait_exponential_jitter(
-            multiplier=self._retry.backoff_initial_s,
-            max=self._retry.backoff_max_s,
-            jitter=self._retry.backoff_initial_s,
-        )
-
-        def wait(state: RetryCallState) -> float:
-            error = state.outcome.exception() if state.outcome is not None else None
-            if isinstance(error, _Transient) and error.retry_after is not None:
-                return min(error.retry_after, self._retry.max_wait_s)
-            return float(exponential(state))
-
-        def log(state: RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome is not None else None
-            delay = state.next_action.sleep if state.next_action is not None else 0.0
-            logger.warning(
-                "feishu: %s attempt %d failed (%s); retrying in %.2fs", what, state.attempt_number, error, delay
-            )
-
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._retry.max_retries + 1),
-            wait=wait,
-            retry=retry_if_exception_type(_Transient),
-            before_sleep=log,
-            reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    result: dict[str, Any] = await call()
-                    return result
-        except _Transient as error:
-            attempts = self._retry.max_retries + 1
-            inner = error.error
-            raise type(inner)(
-                f"{inner} (gave up after {attempts} attempts)", status=inner.status, code=inner.code, retryable=True
-            ) from None
-        raise AssertionError("unreachable: tenacity either returns or re-raises")
-
     async def _call_once(self, path: str, params: Mapping[str, str], group: str) -> dict[str, Any]:
-        """One request, and one more with a new token if the platform says the token is invalid."""
-        token = await self._tenant_token()
-        refreshed = False
-        while True:
-            await self._windows[group].acquire()
-            response = await self._send("GET", path, params=params, headers={"Authorization": f"Bearer {token}"})
-            body = self._body(response)
-            code = body.get("code")
-            if response.is_success and code == 0:
-                return body
-            if code in TOKEN_INVALID_CODES and not refreshed:
-                token, refreshed = await self._tenant_token(rejected=token), True
-                continue
-            raise self._failure(path, response, body)
+        await self._http.pace(group)
+        response = await self._http.send("GET", path, params=params, auth=self._auth)
+        body = json_body(response)
+        if response.is_success and body.get("code") == 0:
+            return body
+        raise self._failure(path, response, body)
 
     async def _tenant_token(self, rejected: str | None = None) -> str:
         """The cached token, or a new one when it is near expiry or was ``rejected``. Under a lock, so
@@ -374,7 +269,7 @@ class FeishuClient:
                 and time.monotonic() < cached.expires_at - self._margin_s
             ):
                 return cached.value
-            body = await self._with_retries(self._request_token, "tenant_access_token")
+            body = await self._http.retrying(self._request_token, "tenant_access_token")
             value, expire = body.get("tenant_access_token"), body.get("expire")
             if not isinstance(value, str) or not value or not isinstance(expire, int | float):
                 raise FeishuAuthError("tenant_access_token: the answer has no token and expire", retryable=False)
@@ -384,14 +279,14 @@ class FeishuClient:
 
     async def _request_token(self) -> dict[str, Any]:
         payload = {"app_id": self._app_id, "app_secret": self._app_secret.get_secret_value()}
-        response = await self._send(
+        response = await self._http.send(
             "POST", TOKEN_PATH, json=payload, headers={"Content-Type": "application/json; charset=utf-8"}
         )
-        body = self._body(response)
+        body = json_body(response)
         if response.is_success and body.get("code") == 0:
             return body  # the token sits at the top level, not in data (§2.1)
         failure = self._failure(TOKEN_PATH, response, body)
-        if isinstance(failure, _Transient):
+        if isinstance(failure, Transient):
             raise failure
         raise FeishuAuthError(
             f"no tenant token for app {self._app_id}: {failure}",
@@ -400,36 +295,17 @@ class FeishuClient:
             retryable=False,
         )
 
-    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            return await self._http().request(method, path, **kwargs)
-        except httpx.TimeoutException as error:
-            raise _Transient(
-                FeishuError(f"{path}: timed out after {self._timeout_s}s ({type(error).__name__})", retryable=True)
-            ) from None
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as error:
-            raise _Transient(
-                FeishuError(f"{path}: connection failed ({type(error).__name__})", retryable=True)
-            ) from None
-
-    @staticmethod
-    def _body(response: httpx.Response) -> dict[str, Any]:
-        try:
-            body = response.json()
-        except ValueError:
-            return {}
-        return body if isinstance(body, dict) else {}
-
-    def _failure(self, path: str, response: httpx.Response, body: dict[str, Any]) -> FeishuError | _Transient:
+    def _failure(self, path: str, response: httpx.Response, body: dict[str, Any]) -> FeishuError | Transient:
         """The error of an unsuccessful answer: transient ones wrapped for the retry loop."""
         code = body.get("code") if isinstance(body.get("code"), int) else None
         message = str(body.get("msg") or response.reason_phrase or "no message")
         status = response.status_code
         text = self.redact(f"{path}: HTTP {status} code {code if code is not None else '-'}: {message}")
         if status == 429 or code == RATE_LIMITED_CODE:
-            return _Transient(FeishuError(text, status=status, code=code, retryable=True), _retry_after(response))
+            wait = platform_wait(response, "x-ogw-ratelimit-reset")
+            return Transient(FeishuError(text, status=status, code=code, retryable=True), wait)
         if status >= 500 or status == 408:
-            return _Transient(FeishuError(text, status=status, code=code, retryable=True))
+            return Transient(FeishuError(text, status=status, code=code, retryable=True))
         return FeishuError(text, status=status, code=code, retryable=False)
 
 
