@@ -12,9 +12,14 @@ from pydantic import SecretStr
 from ragstream.connectors.base import Connector
 from ragstream.connectors.feishu import FeishuConnector
 from ragstream.connectors.folder import FolderConnector
+from ragstream.connectors.ima import ImaConnector
+from ragstream.connectors.yuque import YuqueConnector
 from ragstream.storage.documents import DocumentStore
 
-__all__ = ["ConnectionRow", "NoConnector", "connector_for", "register_folder"]
+__all__ = ["INDEXABLE_PLATFORMS", "ConnectionRow", "NoConnector", "connector_for", "register_folder"]
+
+#: The platforms this build has a connector for, so that a RAG connection of them can be synced.
+INDEXABLE_PLATFORMS = frozenset({"folder", "feishu", "lark", "yuque", "ima"})
 
 
 class NoConnector(Exception):
@@ -41,11 +46,15 @@ def connector_for(row: ConnectionRow) -> Connector:
             raise NoConnector(f"folder connection {row.id} has no config.path")
         # The stored config (chunking) is kept as it is: None means "do not replace it".
         return FolderConnector(Path(path), connection_id=row.id)
-    if row.platform == "feishu" or row.platform == "lark":
-        try:
+    try:  # a ValueError's message names missing or invalid fields, never a secret's value
+        if row.platform == "feishu" or row.platform == "lark":
             return FeishuConnector.from_connection(row.id, row.name, row.config, row.credentials, platform=row.platform)
-        except ValueError as error:  # its message names missing fields, never a secret's value
-            raise NoConnector(str(error)) from None
+        if row.platform == "yuque":
+            return YuqueConnector.from_connection(row.id, row.name, row.config, row.credentials)
+        if row.platform == "ima":
+            return ImaConnector.from_connection(row.id, row.name, row.config, row.credentials)
+    except ValueError as error:
+        raise NoConnector(str(error)) from None
     raise NoConnector(f"no connector for platform {row.platform} in this build")
 
 
