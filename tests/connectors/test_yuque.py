@@ -70,7 +70,7 @@ def books(fake: FakeYuque) -> tuple[FakeRepo, dict[str, FakeDoc]]:
 async def test_listing_walks_the_users_and_groups_repos_in_ascending_id_order(
     fake_yuque: FakeYuque, make_connector: MakeConnector
 ) -> None:
-    repo, docs = books(fake_yuque)
+    _, docs = books(fake_yuque)
     big = fake_yuque.add_repo("eng/big", "Big book")
     for number in range(130):
         fake_yuque.add_doc(big, f"Page {number}", f"text {number}\n")
@@ -216,7 +216,7 @@ async def search(runtime: Runtime, connection_id: str, query: str, *groups: str)
 async def test_sync_indexes_edits_and_deletes_with_a_denied_document_failing_alone(
     runtime: Runtime, fake_yuque: FakeYuque, make_connector: MakeConnector, cleanup: list[str]
 ) -> None:
-    repo, docs = books(fake_yuque)
+    _, docs = books(fake_yuque)
     docs["oncall"].denied = True
     connector = make_connector()
     cleanup.append(connector.connection_id)
