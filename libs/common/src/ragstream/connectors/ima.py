@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,23 +113,24 @@ class ImaLimits:
 
 
 class NegativeCache:
-    """Items found unreadable, and the failure, for ``ttl_s`` seconds per key."""
+    """Items found unreadable, and the failure, for ``ttl_s`` seconds per key (by ``clock``)."""
 
-    def __init__(self, ttl_s: float = 300.0) -> None:
+    def __init__(self, ttl_s: float = 300.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
+        self._clock = clock
         self._entries: dict[tuple[str, str], tuple[float, DocumentUnreadable]] = {}
 
     def get(self, key: tuple[str, str]) -> DocumentUnreadable | None:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if time.monotonic() >= entry[0]:
+        if self._clock() >= entry[0]:
             del self._entries[key]
             return None
         return entry[1]
 
     def put(self, key: tuple[str, str], failure: DocumentUnreadable) -> None:
-        now = time.monotonic()
+        now = self._clock()
         # Expired entries go as new ones come, so the cache holds at most what failed in ttl_s.
         for stale in [key for key, (expires, _) in self._entries.items() if expires <= now]:
             del self._entries[stale]
