@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints,
 
 from ragstream.api.syncs import SyncError
 from ragstream.chunking import ChunkingConfig, parse_chunking
+from ragstream.connectors.registry import INDEXABLE_PLATFORMS
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
@@ -55,6 +56,18 @@ EmbeddingResolver = Callable[[dict[str, Any]], Awaitable[tuple[str, int]]]
 """The model key and dimension of the embedder a spec builds (``ActiveSpace.resolve``); ``ValueError``."""
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No connection with this id"}}
+
+
+def _rag_refusal(platform: str) -> str | None:
+    """Why a connection of ``platform`` cannot have RAG on, or None when it can."""
+    if platform in INDEXABLE_PLATFORMS:
+        return None
+    if platform == "dingtalk":
+        return (
+            "dingtalk connections cannot have rag_enabled: DingTalk has no API that returns a document's full "
+            "text to index, so they serve direct search only; create it with rag_enabled false"
+        )
+    return f"platform {platform} has no connector in this build to index it; create it with rag_enabled false"
 
 
 class EmbeddingChoice(BaseModel):
@@ -145,6 +158,12 @@ class ConnectionCreate(BaseModel):
     def _folder_has_a_path(self) -> ConnectionCreate:
         if self.platform == "folder" and self.config.path is None:
             raise ValueError("a folder connection needs config.path, an existing directory on the server")
+        return self
+
+    @model_validator(mode="after")
+    def _rag_needs_a_connector(self) -> ConnectionCreate:
+        if self.rag_enabled and (refusal := _rag_refusal(self.platform)):
+            raise ValueError(refusal)
         return self
 
 
@@ -326,6 +345,12 @@ def connections_router(
         with spans.start_as_current_span("connections.update") as span:
             span.set_attribute("connection.id", connection_id)
             span.set_attribute("connection.fields", sorted(body.model_fields_set))
+            if body.rag_enabled:
+                current = await store.get(connection_id)
+                if current is None:
+                    raise not_found(connection_id)
+                if refusal := _rag_refusal(current.platform):
+                    raise HTTPException(status_code=422, detail=refusal)
             config = body.config.stored() if body.config is not None else None
             chunking = body.config.chunking if body.config is not None else None
             embedding_given = body.config is not None and "embedding" in body.config.model_fields_set
