@@ -37,7 +37,7 @@ DEFAULT_API_KEY = "fake-ima-apikey-0123456789abcdef"
 NOTE = 11
 #: ASSUMPTION: the page size of the cursor lists is undocumented; at most 50 items a page.
 MAX_LIMIT = 50
-#: §limits: export capped at 50 a minute.
+#: Export is capped at 50 a minute.
 EXPORT_LIMIT = (50, 60.0)
 
 
