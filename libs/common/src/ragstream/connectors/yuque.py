@@ -212,7 +212,7 @@ class YuqueClient:
         if status >= 500 or status == 408:
             return Transient(YuqueError(text, status=status, retryable=True))
         if status == 401:
-            return YuqueAuthError(text, status=status, retryable=False)
+            return YuqueAuthError(f"the Yuque token was refused ({text})", status=status, retryable=False)
         return YuqueError(text, status=status, retryable=False)
 
 

@@ -1,0 +1,78 @@
+"""The shared vendor HTTP machinery: platform waits, the retry loop, redaction, the one client factory."""
+
+from __future__ import annotations
+
+import re
+import time
+from email.utils import formatdate
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ragstream.connectors import vendor_http
+from ragstream.connectors.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, redact, retry_after
+
+
+@pytest.mark.parametrize(
+    ("headers", "low", "high"),
+    [
+        ({"Retry-After": "7"}, 7.0, 7.0),
+        ({"Retry-After": formatdate(time.time() + 30, usegmt=True)}, 28.0, 30.0),
+        ({"X-RateLimit-Reset": "12"}, 12.0, 12.0),
+        ({"X-RateLimit-Reset": str(int(time.time()) + 20)}, 18.0, 20.0),  # a Unix time, not seconds
+        ({"Retry-After": "3", "X-RateLimit-Reset": "40"}, 3.0, 3.0),  # Retry-After first
+        ({"X-RateLimit-Reset": "-5"}, 0.0, 0.0),
+    ],
+)
+def test_the_platforms_wait_is_read_from_its_headers(headers: dict[str, str], low: float, high: float) -> None:
+    wait = retry_after(httpx.Response(429, headers=headers), "x-ratelimit-reset")
+    assert wait is not None and low <= wait <= high
+
+
+def test_no_wait_without_the_headers() -> None:
+    assert retry_after(httpx.Response(429, headers={"X-RateLimit-Reset": "soon"}), "x-ratelimit-reset") is None
+    assert retry_after(httpx.Response(429)) is None
+
+
+async def test_the_retry_loop_gives_up_with_the_platform_error_and_no_secret() -> None:
+    calls: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(503, text="upstream echoed sk-SECRET")
+
+    http = VendorHttp(
+        "demo",
+        "https://vendor.example",
+        headers={"Authorization": "Bearer sk-SECRET"},
+        retry=RetryPolicy(max_retries=2, backoff_initial_s=0.001, backoff_max_s=0.002),
+        transport=httpx.MockTransport(answer),
+        secrets=lambda: ["sk-SECRET"],
+    )
+
+    async def once() -> str:
+        response = await http.send("GET", "/thing")
+        raise Transient(VendorError(http.redact(f"HTTP {response.status_code}: {response.text}"), retryable=True))
+
+    try:
+        with pytest.raises(VendorError) as failed:
+            await http.retrying(once, "/thing")
+    finally:
+        await http.aclose()
+    assert len(calls) == 3 and calls[0].headers["authorization"] == "Bearer sk-SECRET"
+    assert str(failed.value) == "HTTP 503: upstream echoed *** (gave up after 3 attempts)"
+    assert failed.value.retryable and failed.value.__cause__ is None
+    assert redact("a sk-SECRET b", ["", "sk-SECRET"]) == "a *** b"
+
+
+def test_connectors_build_http_clients_only_through_the_factory() -> None:
+    """An outbound guard plugged into ``build_client`` covers every platform only if no connector
+    builds its own client."""
+    package = Path(vendor_http.__file__).parent
+    builders = {
+        path.name
+        for path in package.glob("*.py")
+        if re.search(r"httpx\.(Async)?Client\(", path.read_text(encoding="utf-8"))
+    }
+    assert builders == {"vendor_http.py"}
