@@ -15,11 +15,11 @@ from pydantic import SecretStr
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
 from ragstream.connectors.ima import ImaAuthError, ImaClient, ImaConfig, ImaConnector, ImaLimits, NegativeCache
 from ragstream.connectors.registry import ConnectionRow, NoConnector, connector_for
-from ragstream.connectors.vendor_http import RateLimit, RetryPolicy
 from ragstream.credentials import CredentialCipher
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
 from ragstream.storage.connections import ConnectionStore
+from ragstream.vendor_http import RateLimit, RetryPolicy
 
 if TYPE_CHECKING:
     from tests.support.fake_ima import FakeBase, FakeIma, FakeMedia

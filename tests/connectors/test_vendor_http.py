@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ragstream.connectors import vendor_http
-from ragstream.connectors.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, redact, retry_after
+from ragstream import vendor_http
+from ragstream.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, redact, retry_after
 
 
 @pytest.mark.parametrize(
@@ -66,13 +66,13 @@ async def test_the_retry_loop_gives_up_with_the_platform_error_and_no_secret() -
     assert redact("a sk-SECRET b", ["", "sk-SECRET"]) == "a *** b"
 
 
-def test_connectors_build_http_clients_only_through_the_factory() -> None:
-    """An outbound guard plugged into ``build_client`` covers every platform only if no connector
-    builds its own client."""
+def test_http_clients_are_built_only_by_the_factory() -> None:
+    """An outbound guard plugged into ``build_client`` covers every vendor only if no other code in
+    the package builds its own client."""
     package = Path(vendor_http.__file__).parent
     builders = {
-        path.name
-        for path in package.glob("*.py")
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
         if re.search(r"httpx\.(Async)?Client\(", path.read_text(encoding="utf-8"))
     }
     assert builders == {"vendor_http.py"}

@@ -14,12 +14,12 @@ from pydantic import SecretStr
 
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
 from ragstream.connectors.registry import ConnectionRow, NoConnector, connector_for
-from ragstream.connectors.vendor_http import RetryPolicy
 from ragstream.connectors.yuque import USER_AGENT, YuqueAuthError, YuqueClient, YuqueConfig, YuqueConnector
 from ragstream.credentials import CredentialCipher
 from ragstream.retrieval import Principal, SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
 from ragstream.storage.connections import ConnectionStore
+from ragstream.vendor_http import RetryPolicy
 
 if TYPE_CHECKING:
     from tests.support.fake_yuque import FakeDoc, FakeRepo, FakeYuque

@@ -39,8 +39,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
-from ragstream.connectors.vendor_http import RateLimit, RetryPolicy, Transient, VendorError, VendorHttp, json_body
-from ragstream.connectors.vendor_http import retry_after as platform_wait
+from ragstream.vendor_http import RateLimit, RetryPolicy, Transient, VendorError, VendorHttp, json_body
+from ragstream.vendor_http import retry_after as platform_wait
 
 __all__ = [
     "FEISHU_BASE_URL",

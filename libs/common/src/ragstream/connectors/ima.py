@@ -37,7 +37,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
-from ragstream.connectors.vendor_http import RateLimit, RetryPolicy, Transient, VendorError, VendorHttp, json_body
+from ragstream.vendor_http import RateLimit, RetryPolicy, Transient, VendorError, VendorHttp, json_body
 
 __all__ = [
     "IMA_BASE_URL",

@@ -24,6 +24,7 @@ from tenacity import (
 )
 
 from ragstream.embedding.base import EmbeddingError, Vectors
+from ragstream.vendor_http import build_client
 
 __all__ = [
     "PERMANENT_CODES",
@@ -174,14 +175,11 @@ class RemoteEmbeddingClient:
         # Built on first use rather than in __init__ so constructing an embedder (config loading,
         # CLI help) never opens a connection pool that nobody closes.
         if self._client is None:
-            self._client = httpx.AsyncClient(
+            self._client = build_client(
                 base_url=self._base_url,
+                timeout_s=self._timeout_s,
                 headers=self._headers,
-                timeout=httpx.Timeout(self._timeout_s),
-                limits=httpx.Limits(
-                    max_connections=self._max_concurrency,
-                    max_keepalive_connections=self._max_concurrency,
-                ),
+                max_connections=self._max_concurrency,
                 transport=self._transport,
             )
         return self._client

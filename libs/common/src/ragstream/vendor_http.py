@@ -1,10 +1,10 @@
-"""The HTTP machinery every platform connector shares: one client factory, pacing, retries, redaction.
+"""Outbound HTTP to vendors: the one client factory, and the pacing, retries and redaction connectors share.
 
 A platform module knows its wire format (paths, envelope, which codes mean "throttled", "denied" or
 "gone"); how requests are sent lives here once:
 
-- ``build_client`` is the only place an ``httpx.AsyncClient`` is made, so an outbound guard (a
-  transport) applies to every platform by being passed in here.
+- ``build_client`` is the only place an ``httpx.AsyncClient`` is made (connectors, embedders and the
+  reranker alike), so an outbound guard (a transport) applies to every vendor by being set here.
 - ``PacingWindow``: at most N calls in any window, per API group, with a margin for latency jitter.
 - ``VendorHttp.retrying``: ``Transient`` failures (throttled, 5xx, timeouts, dropped connections) are
   retried with jittered exponential backoff, or after the platform's own wait (``Retry-After`` or a
@@ -123,12 +123,22 @@ def build_client(
     base_url: str,
     timeout_s: float,
     headers: Mapping[str, str] | None = None,
+    max_connections: int | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> httpx.AsyncClient:
-    """The one factory of outbound HTTP clients for platform connectors. ``transport`` replaces the
-    network layer (an outbound address guard, or a test's mock)."""
+    """The one factory of outbound HTTP clients. ``max_connections`` caps the pool (and its keep-alive
+    connections); ``transport`` replaces the network layer (an outbound address guard, a test's mock)."""
+    limits = (
+        httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        if max_connections is not None
+        else httpx.Limits()
+    )
     return httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(timeout_s), headers=dict(headers or {}), transport=transport
+        base_url=base_url,
+        timeout=httpx.Timeout(timeout_s),
+        headers=dict(headers or {}),
+        limits=limits,
+        transport=transport,
     )
 
 
