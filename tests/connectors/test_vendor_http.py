@@ -18,14 +18,21 @@ from ragstream.vendor_http import RetryPolicy, Transient, VendorError, VendorHtt
     ("headers", "low", "high"),
     [
         ({"Retry-After": "7"}, 7.0, 7.0),
-        ({"Retry-After": formatdate(time.time() + 30, usegmt=True)}, 28.0, 30.0),
+        ({"Retry-After": "http-date +30"}, 28.0, 30.0),
         ({"X-RateLimit-Reset": "12"}, 12.0, 12.0),
-        ({"X-RateLimit-Reset": str(int(time.time()) + 20)}, 18.0, 20.0),  # a Unix time, not seconds
+        ({"X-RateLimit-Reset": "unix +20"}, 18.0, 20.0),  # a Unix time, not seconds
         ({"Retry-After": "3", "X-RateLimit-Reset": "40"}, 3.0, 3.0),  # Retry-After first
         ({"X-RateLimit-Reset": "-5"}, 0.0, 0.0),
     ],
 )
 def test_the_platforms_wait_is_read_from_its_headers(headers: dict[str, str], low: float, high: float) -> None:
+    """Times are filled in when the test runs: ``http-date +N`` and ``unix +N`` are N seconds ahead."""
+    now = time.time()
+    for name, value in headers.items():
+        if value.startswith("http-date +"):
+            headers[name] = formatdate(now + float(value.removeprefix("http-date +")), usegmt=True)
+        elif value.startswith("unix +"):
+            headers[name] = str(int(now + float(value.removeprefix("unix +"))))
     wait = retry_after(httpx.Response(429, headers=headers), "x-ratelimit-reset")
     assert wait is not None and low <= wait <= high
 
