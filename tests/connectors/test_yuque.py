@@ -122,6 +122,12 @@ async def test_configured_repos_private_repos_and_body_fallbacks(
     with pytest.raises(Exception, match="404"):
         await listed(make_connector(settings={"repos": ["eng/missing"]}))  # a repo that cannot be listed
 
+    for number in range(120):
+        fake_yuque.add_doc(private, f"Page {number}", f"text {number}\n")
+    fake_yuque.ignore_offset = True  # the same first page for every offset: the walk must stop, not loop
+    with pytest.raises(Exception, match="offset 100 answered the previous page again"):
+        await listed(connector)
+
 
 async def test_an_enterprise_host_gets_the_same_api_path() -> None:
     seen: list[httpx.Request] = []

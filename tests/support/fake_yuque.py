@@ -112,6 +112,8 @@ class FakeYuque:
     repos: dict[str, FakeRepo] = field(default_factory=dict)
     #: ASSUMPTION: the official limits are undocumented; (requests, per seconds), None: no window.
     limit: tuple[int, float] | None = None
+    #: A misbehaving server, test-only: every list answers its first page whatever the offset.
+    ignore_offset: bool = False
     requests: list[tuple[str, dict[str, str], dict[str, str]]] = field(default_factory=list)
     throttles: deque[int] = field(default_factory=deque)
     rate_limited: int = 0
@@ -159,6 +161,7 @@ class FakeYuque:
             self.groups = ["eng"]
             self.repos.clear()
             self.limit = None
+            self.ignore_offset = False
             self.requests.clear()
             self.throttles.clear()
             self._calls.clear()
@@ -190,7 +193,7 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"status": status, "message": message}, status_code=status, headers=headers)
 
 
-def _page(items: list[dict[str, Any]], query: dict[str, str], *, total: bool) -> JSONResponse:
+def _page(items: list[dict[str, Any]], query: dict[str, str], *, total: bool, first: bool = False) -> JSONResponse:
     try:
         offset, limit = int(query.get("offset", "0")), int(query.get("limit", str(MAX_LIMIT)))
     except ValueError:
@@ -198,6 +201,8 @@ def _page(items: list[dict[str, Any]], query: dict[str, str], *, total: bool) ->
     if offset < 0 or not 1 <= limit <= MAX_LIMIT:
         # ASSUMPTION: a limit over 100 answers 400 "invalid parameters" (the spec only caps it).
         return _error(400, "invalid parameters")
+    if first:
+        offset = 0
     body: dict[str, Any] = {"data": items[offset : offset + limit]}
     if total:
         body["meta"] = {"total": len(items)}
@@ -277,7 +282,7 @@ def create_app(fake: FakeYuque) -> FastAPI:
             if isinstance(repo, JSONResponse):
                 return repo
             items = [doc.listed(repo.id) for doc in sorted(repo.docs.values(), key=lambda doc: -doc.updated)]
-        return _page(items, dict(request.query_params), total=True)
+        return _page(items, dict(request.query_params), total=True, first=fake.ignore_offset)
 
     @app.get("/api/v2/repos/{group}/{book}/toc")
     async def toc(group: str, book: str, request: Request) -> JSONResponse:

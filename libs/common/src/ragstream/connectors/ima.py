@@ -218,16 +218,16 @@ class ImaClient:
         return content
 
     async def _cursor(self, path: str, body: Mapping[str, Any], key: str) -> AsyncIterator[dict[str, Any]]:
-        """Every item, following ``next_cursor`` until ``is_end``."""
+        """Every item, following ``next_cursor`` until ``is_end`` (or, without one, no next cursor)."""
         cursor = ""
         while True:
             data = await self._post(path, {**body, "cursor": cursor, "limit": PAGE_SIZE}, "wiki")
             for item in data.get(key) or []:
                 if isinstance(item, dict):
                     yield item
-            if data.get("is_end", True) is True:
-                return
             following = data.get("next_cursor")
+            if data.get("is_end") is True or ("is_end" not in data and not following):
+                return
             if not isinstance(following, str) or not following or following == cursor:
                 # The same cursor again would loop forever; an incomplete listing must fail the sync.
                 raise ImaError(f"{path}: is_end false without a new next_cursor", retryable=False)

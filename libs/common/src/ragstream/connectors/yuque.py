@@ -172,10 +172,15 @@ class YuqueClient:
         """Every item: ``offset`` moves by the page's length until ``meta.total`` (when the list has
         one) is reached, or a page comes back empty or, without a total, short."""
         offset = 0
+        previous: object = None
         while True:
             body = await self._body(path, {**params, "offset": str(offset), "limit": str(PAGE_SIZE)})
             page = body.get("data")
             items = [item for item in page if isinstance(item, dict)] if isinstance(page, list) else []
+            if items and offset and items[0].get("id") == previous:
+                # The same page again: the offset was ignored, and asking on would never end.
+                raise YuqueError(f"{path}: offset {offset} answered the previous page again", retryable=False)
+            previous = items[0].get("id") if items else None
             for item in items:
                 yield item
             offset += len(items)
@@ -305,7 +310,9 @@ class YuqueConnector:
                 repos.append(_Repo(namespace, str(repo.get("name") or namespace), repo.get("public")))
             return repos
         user = await self._client.user()
-        owners = [("users", str(user.get("login") or user.get("id")))]
+        if not user.get("id"):
+            raise YuqueError("/user: the answer has no id", retryable=False)
+        owners = [("users", str(user.get("login") or user["id"]))]
         owners += [
             ("groups", str(group.get("login") or group.get("id"))) async for group in self._client.groups(user["id"])
         ]
