@@ -332,8 +332,8 @@ async def test_a_failing_connector_fails_the_run_with_its_reason(
 ) -> None:
     runs = shared_runs
     runner = SyncRunner(runs, shared.pipeline)
-    platform_id = f"yuque-{uuid.uuid4().hex[:8]}"
-    await shared.store.ensure_connection(platform_id, "yuque", "Team docs")
+    platform_id = f"web-{uuid.uuid4().hex[:8]}"
+    await shared.store.ensure_connection(platform_id, "web", "Team site")
     feishu_id = f"feishu-{uuid.uuid4().hex[:8]}"
     await shared.store.ensure_connection(feishu_id, "feishu", "Team wiki")
     gone = tmp_path / "gone"
@@ -342,7 +342,7 @@ async def test_a_failing_connector_fails_the_run_with_its_reason(
     gone.rmdir()
 
     for connection_id, reason in [
-        (platform_id, "no connector for platform yuque in this build"),
+        (platform_id, "no connector for platform web in this build"),
         (feishu_id, f"feishu connection {feishu_id} needs credentials app_id, app_secret"),
         (folder_id, f"NotADirectoryError: {gone} is not a folder"),
     ]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,6 @@ from ragstream.connectors.yuque import YuqueConnector
 from ragstream.storage.documents import DocumentStore
 
 __all__ = ["INDEXABLE_PLATFORMS", "ConnectionRow", "NoConnector", "connector_for", "register_folder"]
-
-#: The platforms this build has a connector for, so that a RAG connection of them can be synced.
-INDEXABLE_PLATFORMS = frozenset({"folder", "feishu", "lark", "yuque", "ima"})
 
 
 class NoConnector(Exception):
@@ -38,24 +35,49 @@ class ConnectionRow:
     credentials: Mapping[str, SecretStr] = field(default_factory=dict)
 
 
+def _folder(row: ConnectionRow) -> Connector:
+    path = row.config.get("path")
+    if not isinstance(path, str):
+        raise ValueError(f"folder connection {row.id} has no config.path")
+    # The stored config (chunking) is kept as it is: None means "do not replace it".
+    return FolderConnector(Path(path), connection_id=row.id)
+
+
+def _feishu(row: ConnectionRow) -> Connector:
+    return FeishuConnector.from_connection(row.id, row.name, row.config, row.credentials, platform=row.platform)
+
+
+def _yuque(row: ConnectionRow) -> Connector:
+    return YuqueConnector.from_connection(row.id, row.name, row.config, row.credentials)
+
+
+def _ima(row: ConnectionRow) -> Connector:
+    return ImaConnector.from_connection(row.id, row.name, row.config, row.credentials)
+
+
+#: Platform → the builder of its connector; a builder's ValueError names the missing or invalid
+#: fields, never a secret's value.
+_BUILDERS: dict[str, Callable[[ConnectionRow], Connector]] = {
+    "folder": _folder,
+    "feishu": _feishu,
+    "lark": _feishu,
+    "yuque": _yuque,
+    "ima": _ima,
+}
+
+#: The platforms this build has a connector for, so that a RAG connection of them can be synced.
+INDEXABLE_PLATFORMS = frozenset(_BUILDERS)
+
+
 def connector_for(row: ConnectionRow) -> Connector:
     """The connector that syncs ``row``; raises ``NoConnector`` for platforms not built in."""
-    if row.platform == "folder":
-        path = row.config.get("path")
-        if not isinstance(path, str):
-            raise NoConnector(f"folder connection {row.id} has no config.path")
-        # The stored config (chunking) is kept as it is: None means "do not replace it".
-        return FolderConnector(Path(path), connection_id=row.id)
-    try:  # a ValueError's message names missing or invalid fields, never a secret's value
-        if row.platform == "feishu" or row.platform == "lark":
-            return FeishuConnector.from_connection(row.id, row.name, row.config, row.credentials, platform=row.platform)
-        if row.platform == "yuque":
-            return YuqueConnector.from_connection(row.id, row.name, row.config, row.credentials)
-        if row.platform == "ima":
-            return ImaConnector.from_connection(row.id, row.name, row.config, row.credentials)
+    build = _BUILDERS.get(row.platform)
+    if build is None:
+        raise NoConnector(f"no connector for platform {row.platform} in this build")
+    try:
+        return build(row)
     except ValueError as error:
         raise NoConnector(str(error)) from None
-    raise NoConnector(f"no connector for platform {row.platform} in this build")
 
 
 async def register_folder(store: DocumentStore, folder: Path, config: Mapping[str, Any] | None = None) -> str:
