@@ -2,11 +2,11 @@
 
 It serves what the connector calls, all JSON ``POST``: ``wiki/v1/search_knowledge_base``,
 ``get_knowledge_base``, ``get_knowledge_list`` (cursor lists ending in ``is_end``, folders with
-``current_path``), ``get_media_info`` (``notebook_ext_info`` for notes, ``url_info`` for files) and
-``note/v1/get_doc_content``. Both headers are checked; the envelope is ``{code, msg, data}`` or, when
-switched, ``{retcode, errmsg, data}``. Export (get_doc_content) is capped at 50 a minute, answered
-with code 110021, which can also be injected; 110030 answers a media item the key may not read and
-220030 an export by a key without the export permission.
+``current_path``), ``get_media_info`` (``notebook_ext_info`` for notes, ``url_info`` for files, whose
+download it also serves) and ``note/v1/get_doc_content``. Both headers are checked; the envelope is
+``{code, msg, data}`` or, when switched, ``{retcode, errmsg, data}``. Export (get_doc_content) is
+capped at 50 a minute, answered with code 110021, which can also be injected; 110030 answers a media
+item the key may not read and 220030 an export by a key without the export permission.
 
 Behaviour the sources do not document is chosen here and labelled ASSUMPTION.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from tests.support.http_server import serve_in_thread
 
@@ -289,7 +289,8 @@ def create_app(fake: FakeIma) -> FastAPI:
             if media.media_type == NOTE:
                 data["notebook_ext_info"] = {"notebook_id": media.note_id}
             else:
-                data["url_info"] = {"url": f"{fake.base_url}/files/{media.media_id}", "headers": {}}
+                url = f"{fake.base_url}/files/{media.media_id}"
+                data["url_info"] = {"url": url, "headers": {"x-download-token": media.note_id}}
         return envelope(0, "ok", data)
 
     @app.post("/openapi/note/v1/get_doc_content")
@@ -309,6 +310,14 @@ def create_app(fake: FakeIma) -> FastAPI:
         if media is None:
             return envelope(110004, "note not found")
         return envelope(0, "ok", {"content": media.content})
+
+    @app.get("/files/{media_id}")
+    async def download(media_id: str, request: Request) -> Response:
+        """A file's bytes, for the headers ``url_info`` gave (ASSUMPTION: their names are undocumented)."""
+        media = fake.find(media_id)
+        if media is None or request.headers.get("x-download-token") != media.note_id:
+            return Response(status_code=403)
+        return Response(media.content.encode(), media_type="application/octet-stream")
 
     return app
 
