@@ -141,6 +141,12 @@ async def test_rate_limits_are_waited_out(fake_ima: FakeIma, make_connector: Mak
     assert time.monotonic() - started >= 0.9  # 110021 twice, each waited for throttled_wait_s
     assert len(fake_ima.calls("get_doc_content")) == 3
 
+    fake_ima.over_quota_next(1)  # HTTP 403 "请求超量": over quota, waited out as well
+    quota = make_connector(over_quota_wait_s=0.5)
+    started = time.monotonic()
+    assert b"brackenfell" in await quota.fetch(item)
+    assert time.monotonic() - started >= 0.45 and fake_ima.over_quota == 0
+
     # The fake's export cap, tighter than the client's pacing: its 110021s are absorbed the same way.
     fake_ima.export_limit = (2, 1.0)
     loose = make_connector(throttled_wait_s=0.4, limits=ImaLimits(export=RateLimit(100, 1.0)))

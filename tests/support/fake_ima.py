@@ -83,6 +83,8 @@ class FakeIma:
     bases: dict[str, FakeBase] = field(default_factory=dict)
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     throttles: deque[str] = field(default_factory=deque)
+    #: Requests still to answer HTTP 403 "请求超量" (over quota).
+    over_quota: int = 0
     rate_limited: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _exports: deque[float] = field(default_factory=deque)
@@ -124,6 +126,11 @@ class FakeIma:
         with self.lock:
             self.throttles.extend([path] * n)
 
+    def over_quota_next(self, n: int = 1) -> None:
+        """The next ``n`` requests answer HTTP 403 with msg "请求超量" (over quota)."""
+        with self.lock:
+            self.over_quota += n
+
     def forget_exports(self) -> None:
         """Empty the export window, as a minute without exports would."""
         with self.lock:
@@ -136,6 +143,7 @@ class FakeIma:
             self.bases.clear()
             self.requests.clear()
             self.throttles.clear()
+            self.over_quota = 0
             self._exports.clear()
             self._cursors.clear()
             self.rate_limited = 0
@@ -204,8 +212,14 @@ def create_app(fake: FakeIma) -> FastAPI:
             if throttled is not None:
                 fake.throttles.remove(throttled)
                 fake.rate_limited += 1
+            over_quota = throttled is None and fake.over_quota > 0
+            if over_quota:
+                fake.over_quota -= 1
         if throttled is not None:
             return body, envelope(110021, "rate limited")
+        if over_quota:
+            # ASSUMPTION: the envelope code of an over-quota 403 is undocumented; -1.
+            return body, envelope(-1, "请求超量", status=403)
         return body, None
 
     def listing(key: str, items: list[dict[str, Any]], body: dict[str, Any], name: str, **extra: Any) -> JSONResponse:
