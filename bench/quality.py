@@ -69,7 +69,7 @@ __all__ = ["main"]
 CONNECTION = "insuranceqa"
 TOP = 10
 LEG = 30
-# Published plain-BM25 nDCG@10 on this data (ARCHITECTURE.md, "Benchmarks and data").
+# Published plain-BM25 nDCG@10 on this data (docs/architecture.md, "Benchmarks and data").
 REFERENCE_BM25 = {"en": 0.295, "zh": 0.210}
 BM25_GRID_K1 = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5)
 BM25_GRID_B = (0.3, 0.5, 0.6, 0.75, 0.9, 1.0)

@@ -1,7 +1,7 @@
 """Session-wide real services: PostgreSQL + pgvector and a single Apache Kafka broker.
 
 ``DATABASE_URL`` / ``KAFKA_BOOTSTRAP_SERVERS`` point the suite at existing servers;
-otherwise it starts its own (see ARCHITECTURE.md, "Test infrastructure"). A server that
+otherwise it starts its own (see docs/architecture.md, "Test infrastructure"). A server that
 cannot start fails the tests that need it, loudly: integration tests are never skipped.
 """
 

@@ -1,4 +1,4 @@
-"""A local DashScope stand-in (PLATFORM-APIS §6.5) served over real HTTP, with faults tests can inject.
+"""A local DashScope stand-in (docs/platform-apis.md §6.5) served over real HTTP, with faults tests can inject.
 
 Behaviour the vendor does not document is chosen here and labelled ASSUMPTION so a test never
 mistakes it for a fact about the real service. Vectors come from hashed tokens: equal texts get

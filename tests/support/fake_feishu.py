@@ -1,4 +1,4 @@
-"""A local Feishu / Lark open platform (PLATFORM-APIS §2.7) over real HTTP, with faults tests can inject.
+"""A local Feishu / Lark open platform (docs/platform-apis.md §2.7) over real HTTP, with faults tests can inject.
 
 It serves what the wiki connector calls: the tenant token (top-level token and ``expire``, the
 30-minute reissue rule with two valid tokens), wiki spaces, a space, its node tree (opaque

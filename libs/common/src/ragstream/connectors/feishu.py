@@ -1,6 +1,6 @@
 """Feishu / Lark wiki connector: the docx pages of wiki spaces, read as Markdown through the open platform.
 
-Vendor facts come from ``PLATFORM-APIS.md`` §2 (the shared developer reference); where it is silent
+Vendor facts come from ``docs/platform-apis.md`` §2; where it is silent
 the choice is marked ASSUMPTION here and in ``tests/support/fake_feishu.py``.
 
 - **Auth:** a tenant_access_token from the app's ``app_id`` + ``app_secret`` (§2.1), cached until
@@ -347,7 +347,7 @@ class FeishuConnector:
 
     ``source_version`` is the node's ``obj_edit_time`` (with the content format, so switching formats
     downloads everything again): an unchanged page costs no content call. ACL: None. Wiki space and
-    document members are separate APIs not covered by PLATFORM-APIS, one call per document, so the
+    document members are separate APIs not covered by docs/platform-apis.md, one call per document, so the
     connection's own visibility applies (the app sees what it was granted).
     """
 

@@ -44,7 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Codes that mean "slow down", not "this request is wrong". DashScope sends ``Throttling.RateQuota``
-#: with HTTP 429 *and* with HTTP 400 (PLATFORM-APIS §6.4), so the decision keys on the code first.
+#: with HTTP 429 *and* with HTTP 400 (docs/platform-apis.md §6.4), so the decision keys on the code first.
 THROTTLING_CODES = frozenset(
     {"Throttling", "Throttling.RateQuota", "Throttling.AllocationQuota", "rate_limit_exceeded"}
 )

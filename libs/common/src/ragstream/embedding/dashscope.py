@@ -1,7 +1,7 @@
 """DashScope (Alibaba Cloud Model Studio) embedder over the native text-embedding endpoint.
 
 The native endpoint is used rather than the OpenAI-compatible one because it answers with
-``text_index`` per vector (one client saw the batch endpoint repeat index 0, PLATFORM-APIS §6.2)
+``text_index`` per vector (one client saw the batch endpoint repeat index 0, docs/platform-apis.md §6.2)
 and because it takes ``text_type``, so queries and documents are embedded as the model expects.
 """
 
@@ -33,7 +33,7 @@ DEFAULT_BASE_URL = "https://dashscope.aliyuncs.com"
 EMBEDDING_PATH = "/api/v1/services/embeddings/text-embedding/text-embedding"
 
 #: Texts per request for text-embedding-v3/v4 on the current model page. Older pages said 6 or 20
-#: (PLATFORM-APIS §6.2, "Conflict"); 10 is what the service enforces today, and a smaller value
+#: (docs/platform-apis.md §6.2, "Conflict"); 10 is what the service enforces today, and a smaller value
 #: can still be passed for an account that sees the older limit.
 MAX_BATCH_SIZE = 10
 

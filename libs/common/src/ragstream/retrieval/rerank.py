@@ -2,7 +2,7 @@
 
 There is no local cross-encoder: no package on PyPI ships reranker weights that load without a
 model-hub download, and this project loads nothing from a hub at run time. The remote one is
-DashScope's text-rerank API (PLATFORM-APIS §6.3).
+DashScope's text-rerank API (docs/platform-apis.md §6.3).
 """
 
 from __future__ import annotations
