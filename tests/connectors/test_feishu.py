@@ -29,6 +29,7 @@ from ragstream.connectors.feishu import (
 )
 from ragstream.connectors.registry import ConnectionRow, NoConnector, connector_for
 from ragstream.credentials import CredentialCipher
+from ragstream.api.auth import Access
 from ragstream.embedded import serve
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime, open_runtime
@@ -369,7 +370,7 @@ async def test_a_connection_made_over_the_api_syncs_to_ready_and_is_searchable(
     )
     port = free_port()
     async with private_database(database_url) as dsn, open_runtime(settings, dsn) as runtime:
-        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=0))
+        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=0, access=Access.open()))
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
                 for _ in range(200):

@@ -1,9 +1,9 @@
 """Who may call the HTTP APIs, and how much a request may send.
 
-Every request passes :class:`ApiGuard` (installed by :func:`protect`, which every app of the project
-calls), so a route is admin-only unless marked: :data:`OPEN_PATHS` need no key, endpoints decorated
-with :func:`search_route` take a ``search`` key too. The guard matches a request against the app's own
-routes, so a mounted app or a route added later is covered the same way. The principal rule (only a
+Every request passes :class:`ApiGuard` and every endpoint :func:`authorize` (both installed by
+:func:`protect`, which every app of the project calls), so a route is admin-only unless marked:
+:data:`OPEN_PATHS` need no key, endpoints decorated with :func:`search_route` take a ``search`` key
+too; a route added later, a mounted app or an unknown path needs admin. The principal rule (only a
 ``search`` key asserts who the user is) needs the parsed request, so those endpoints call
 :func:`check_principal`. The gRPC API applies the same :class:`Access` in its interceptor.
 """
@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.responses import JSONResponse
-from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ragstream.settings import ApiKeys, Role
@@ -33,6 +32,7 @@ __all__ = [
     "ApiGuard",
     "Caller",
     "RequestBodyLimit",
+    "authorize",
     "caller_of",
     "check_principal",
     "protect",
@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 
 _ROLE_ATTRIBUTE = "__ragstream_role__"
+_FORBIDDEN = "this API key may not call this route"
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 
 
@@ -149,14 +150,8 @@ class Access:
         return "API keys required (" + ", ".join(f"{count} {role}" for role, count in counts.items()) + ")"
 
 
-def _required_role(routes: list[BaseRoute], scope: Scope) -> Role:
-    """The role the route serving ``scope`` needs: admin unless its endpoint is marked."""
-    for route in routes:
-        match, _ = route.matches(scope)
-        if match is Match.FULL:
-            role = getattr(route.endpoint, _ROLE_ATTRIBUTE, Role.ADMIN) if isinstance(route, Route) else Role.ADMIN
-            return Role(role)
-    return Role.ADMIN  # unknown paths too, so a caller without admin learns nothing of which exist
+def _required_role(endpoint: object) -> Role:
+    return Role(getattr(endpoint, _ROLE_ATTRIBUTE, Role.ADMIN))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -167,30 +162,44 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class ApiGuard:
-    """ASGI middleware: 401 (``WWW-Authenticate: Bearer``) without a valid key, 403 when the key's
-    role may not call the route; the caller goes into the request state for :func:`caller_of`."""
+    """ASGI middleware: 401 (``WWW-Authenticate: Bearer``) without a valid key outside
+    :data:`OPEN_PATHS`. The caller goes into the request state, where :func:`authorize` checks its
+    role before a FastAPI endpoint runs; any other answer (a mounted app, an unknown path) that no
+    role check let through becomes a 403 for a key that is not admin."""
 
-    def __init__(self, app: ASGIApp, *, access: Access, routes: Callable[[], list[BaseRoute]]) -> None:
+    def __init__(self, app: ASGIApp, *, access: Access) -> None:
         self.app = app
         self.access = access
-        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         caller = self.access.authenticate(_header(scope, b"authorization"))
-        if scope["path"] not in OPEN_PATHS:
-            denial = None
-            if caller is None:
-                denial = (401, "missing or unknown API key")
-            elif not caller.may_call(_required_role(self.routes(), scope)):
-                denial = (403, "this API key may not call this route")
-            if denial is not None:
-                await self._deny(scope, receive, send, *denial)
-                return
-        scope.setdefault("state", {})["caller"] = caller
-        await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        state["caller"] = caller
+        if scope["path"] in OPEN_PATHS:
+            state["authorized"] = True
+            await self.app(scope, receive, send)
+            return
+        if caller is None:
+            await self._deny(scope, receive, send, 401, "missing or unknown API key")
+            return
+        state["authorized"] = caller.may_call(Role.ADMIN)
+        replaced = False
+
+        async def checked_send(message: Message) -> None:
+            nonlocal replaced
+            # An answer before the role check (a body that does not parse, or over the limit) is let
+            # through when the endpoint the router chose takes this caller's role.
+            allowed = state["authorized"] or caller.may_call(_required_role(scope.get("endpoint")))
+            if message["type"] == "http.response.start" and not allowed:
+                replaced = True
+                await self._deny(scope, receive, send, 403, _FORBIDDEN)
+            elif not replaced:
+                await send(message)
+
+        await self.app(scope, receive, checked_send if scope["type"] == "http" else send)
 
     @staticmethod
     async def _deny(scope: Scope, receive: Receive, send: Send, status: int, detail: str) -> None:
@@ -201,6 +210,16 @@ class ApiGuard:
         await JSONResponse({"detail": detail}, status_code=status, headers=headers)(scope, receive, send)
 
 
+def authorize(request: Request) -> None:
+    """App-level dependency: 403 unless the caller's role may call the endpoint (admin, unless marked
+    by :func:`search_route`). Runs before the endpoint, so a refused call has no effect."""
+    if getattr(request.state, "authorized", False):  # an open path, or an admin key
+        return
+    if not caller_of(request).may_call(_required_role(request.scope.get("endpoint"))):
+        raise HTTPException(status_code=403, detail=_FORBIDDEN)
+    request.state.authorized = True
+
+
 class _BodyTooLarge(HTTPException):
     """Raised from ``receive``: FastAPI passes an HTTPException from body reading on as it is."""
 
@@ -209,8 +228,8 @@ class _BodyTooLarge(HTTPException):
 
 
 class RequestBodyLimit:
-    """ASGI middleware: 413 for a body over ``max_bytes``, by ``Content-Length`` up front and by the
-    bytes actually received (chunked bodies and lying lengths)."""
+    """ASGI middleware: 413 for a body over ``max_bytes``, by ``Content-Length`` and by the bytes
+    actually received (chunked bodies and lying lengths), before more than that is read."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
         self.app = app
@@ -221,14 +240,15 @@ class RequestBodyLimit:
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(scope, receive, send)
-            return
         received = 0
         started = False
 
         async def limited_receive() -> Message:
+            # Checked when the app reads, not up front: the route is chosen by then, so the role check
+            # of ApiGuard knows the endpoint the body was meant for.
             nonlocal received
+            if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+                raise _BodyTooLarge(self.max_bytes)
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
@@ -254,10 +274,12 @@ class RequestBodyLimit:
 
 
 def protect(app: FastAPI, access: Access, *, max_request_bytes: int) -> None:
-    """Put every route of ``app``, present and future, behind ``access`` and the body limit."""
+    """Put every route of ``app``, present and future, behind ``access`` and the body limit; call it
+    before adding routes."""
+    app.router.dependencies.append(Depends(authorize))
     # The last added middleware runs first: keys are checked before any body is read.
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(ApiGuard, access=access, routes=lambda: app.router.routes)
+    app.add_middleware(ApiGuard, access=access)
 
 
 def caller_of(request: Request) -> Caller:
