@@ -130,7 +130,7 @@ def routes_of(app: FastAPI) -> set[tuple[str, str]]:
 
 async def walk(app: FastAPI, expected_open: set[str]) -> None:
     routes = routes_of(app)
-    assert OPEN_PATHS == expected_open
+    assert expected_open == OPEN_PATHS
     assert {path for _, path in routes} >= expected_open
     async with client_of(app) as client:
         for method, template in sorted(routes):

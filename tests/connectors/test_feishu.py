@@ -16,6 +16,7 @@ import pytest
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
 
+from ragstream.api.auth import Access
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
 from ragstream.connectors.feishu import (
     LARK_BASE_URL,
@@ -29,7 +30,6 @@ from ragstream.connectors.feishu import (
 )
 from ragstream.connectors.registry import ConnectionRow, NoConnector, connector_for
 from ragstream.credentials import CredentialCipher
-from ragstream.api.auth import Access
 from ragstream.embedded import serve
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime, open_runtime
