@@ -4,7 +4,10 @@ per-chunk ACLs on a real index."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import socket
 import subprocess
 import sys
 import uuid
@@ -27,14 +30,15 @@ from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncRunStore
-from ragstream.embedded import api_app
+from ragstream.embedded import api_app, serve
 from ragstream.retrieval import Principal
 from ragstream.retrieval.reader import DocumentReader
-from ragstream.runtime import Runtime
+from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import ApiKeys, Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.support.connections import private_database
 from tests.test_scope_acl import connection, index
 
 pytestmark = pytest.mark.integration
@@ -47,7 +51,7 @@ ACCESS = Access(ApiKeys.parse(KEYS))
 # The routes a search key may call; every other route that is not open must refuse it.
 SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}")}
 # The routes anyone may call: probes, metrics and the API's description; a longer list fails here.
-OPEN = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
+OPEN = {"/healthz", "/readyz", "/metrics", "/metrics/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 
 
 def bearer(key: str | None) -> dict[str, str]:
@@ -82,17 +86,31 @@ async def embedded(runtime: Runtime) -> AsyncIterator[FastAPI]:
         await rechunker.aclose()
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RetrieverService:
+    app: FastAPI
+    grpc_port: int
+
+
 @pytest.fixture
-async def retriever_service(database_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FastAPI]:
-    """The retriever service as uvicorn builds it, its lifespan run (store open, gRPC off)."""
+async def retriever_service(database_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RetrieverService]:
+    """The retriever service as uvicorn builds it, its lifespan run (store open, gRPC on loopback)."""
     from ragstream_retriever.main import create_app as create_retriever
 
+    grpc_port = free_port()
     monkeypatch.setenv("RAGSTREAM_API_KEYS", KEYS)
     monkeypatch.setenv("DATABASE_URL", database_url)
-    monkeypatch.setenv("RAGSTREAM_GRPC_PORT", "0")
+    monkeypatch.setenv("RAGSTREAM_GRPC_HOST", "127.0.0.1")
+    monkeypatch.setenv("RAGSTREAM_GRPC_PORT", str(grpc_port))
     app = create_retriever()
     async with app.router.lifespan_context(app):
-        yield app
+        yield RetrieverService(app, grpc_port)
 
 
 @pytest.fixture
@@ -131,8 +149,11 @@ def routes_of(app: FastAPI) -> set[tuple[str, str]]:
 async def walk(app: FastAPI, expected_open: set[str]) -> None:
     routes = routes_of(app)
     assert expected_open == OPEN_PATHS
-    assert {path for _, path in routes} >= expected_open
+    assert {path for _, path in routes} >= expected_open - {"/metrics/"}
     async with client_of(app) as client:
+        # Prometheus scrapes without a key, following the redirect of a mounted metrics app.
+        scraped = await client.get("/metrics", follow_redirects=True)
+        assert scraped.status_code == 200 and "# TYPE" in scraped.text
         for method, template in sorted(routes):
             path = re.sub(r"\{[^}]+\}", f"no-such-{uuid.uuid4().hex[:8]}", template)
             body = b"[" if method in {"POST", "PUT", "PATCH"} else None  # invalid JSON: 422, never an action
@@ -162,8 +183,40 @@ async def test_every_route_of_the_embedded_app_is_behind_the_keys(embedded: Fast
     await walk(embedded, OPEN)
 
 
-async def test_every_route_of_the_retriever_service_is_behind_the_keys(retriever_service: FastAPI) -> None:
-    await walk(retriever_service, OPEN)
+async def test_every_route_of_the_retriever_service_is_behind_the_keys(retriever_service: RetrieverService) -> None:
+    await walk(retriever_service.app, OPEN)
+    await grpc_keys_apply(retriever_service.grpc_port)
+
+
+async def grpc_keys_apply(port: int) -> None:
+    """The gRPC API on ``port`` answers a search key and refuses a call without one."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = retrieval_pb2_grpc.RetrievalStub(channel)
+        request = retrieval_pb2.SearchRequest(query="kafka retention")
+        assert await grpc_status(stub.Search(request)) == grpc.StatusCode.UNAUTHENTICATED
+        authorized = stub.Search(request, metadata=[("authorization", f"Bearer {SEARCH}")])
+        assert await grpc_status(authorized) == grpc.StatusCode.OK
+
+
+async def test_ragstream_up_serves_both_apis_behind_the_keys(database_url: str) -> None:
+    settings = Settings(database_url=database_url, scheduler_enabled=False)
+    port, grpc_port = free_port(), free_port()
+    async with private_database(database_url) as dsn, open_runtime(settings, dsn) as runtime:
+        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=grpc_port, access=ACCESS))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                for _ in range(600):
+                    with contextlib.suppress(httpx.TransportError):
+                        if (await client.get("/healthz")).status_code == 200:
+                            break
+                    await asyncio.sleep(0.05)
+                assert (await client.get("/v1/connections")).status_code == 401
+                assert (await client.get("/v1/connections", headers=bearer(SEARCH))).status_code == 403
+                assert (await client.get("/v1/connections", headers=bearer(ADMIN))).json() == []
+            await grpc_keys_apply(grpc_port)
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
 
 
 async def test_every_route_of_the_fetcher_service_is_behind_the_keys(fetcher_service: FastAPI) -> None:
