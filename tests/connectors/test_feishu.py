@@ -16,6 +16,7 @@ import pytest
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
 
+from ragstream.api.auth import Access
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
 from ragstream.connectors.feishu import (
     LARK_BASE_URL,
@@ -369,7 +370,7 @@ async def test_a_connection_made_over_the_api_syncs_to_ready_and_is_searchable(
     )
     port = free_port()
     async with private_database(database_url) as dsn, open_runtime(settings, dsn) as runtime:
-        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=0))
+        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=0, access=Access.open()))
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
                 for _ in range(200):

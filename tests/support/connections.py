@@ -60,6 +60,8 @@ async def fetcher_database(
     async with private_database(database_url) as dsn:
         monkeypatch.setenv("DATABASE_URL", dsn)
         monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+        monkeypatch.delenv("RAGSTREAM_API_KEYS", raising=False)
+        monkeypatch.setenv("RAGSTREAM_AUTH", "none")  # the fetcher refuses to start without keys otherwise
         for name, value in settings.items():
             monkeypatch.setenv(f"RAGSTREAM_{name.upper()}", value)
         pool = await connect_pool(dsn)

@@ -37,6 +37,9 @@ class ServiceProcess:
         self.name = name
         self.port = _free_port()
         self.env = {**os.environ, **env}
+        # The services refuse to start without keys; these tests call them as the mesh would.
+        if "RAGSTREAM_API_KEYS" not in self.env:
+            self.env.setdefault("RAGSTREAM_AUTH", "none")
         # The retriever also serves gRPC: on a port of its own, never the default one another run may hold.
         self.grpc_port = _free_port()
         if name == "retriever":

@@ -398,10 +398,17 @@ def up(
 ) -> None:
     """Embedded mode: PostgreSQL with pgvector, every stage and the HTTP and gRPC APIs in this process.
     Each folder becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
+    from ragstream.api.auth import Access, AccessSetupError
     from ragstream.embedded import serve
 
+    try:  # before the store starts: a refused host costs nothing
+        access = Access.for_embedded(Settings(), host)
+    except AccessSetupError as error:
+        console.print(f"[red]cannot serve: {error}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"ragstream up: HTTP {host}:{port}, gRPC {grpc_port or 'off'}; {access.describe()}", highlight=False)
     paths = [path.resolve() for path in [*(folders or []), *(source or [])]]
-    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port))
+    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port, access=access))
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import HTTPException
+from fastapi import FastAPI, HTTPException
 
+from ragstream.api.auth import Access
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
@@ -23,6 +24,8 @@ from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
+from ragstream.rechunk import Rechunker
+from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
@@ -31,18 +34,30 @@ from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
-__all__ = ["serve"]
+__all__ = ["api_app", "serve"]
 
 
 async def serve(
-    runtime: Runtime, sources: list[Path], host: str, port: int, sync_interval: float, *, grpc_port: int
+    runtime: Runtime,
+    sources: list[Path],
+    host: str,
+    port: int,
+    sync_interval: float,
+    *,
+    grpc_port: int,
+    access: Access,
 ) -> None:
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
     seconds (0: only now) through sync runs, like any connection created over the API. The HTTP API
-    listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC)."""
+    listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC), both behind ``access``
+    (``Access.for_embedded`` checks the host first)."""
     settings = runtime.settings
-    cipher = CredentialCipher.from_settings(settings)
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s, cipher=cipher)
+    runs = SyncRunStore(
+        runtime.pool,
+        runtime.dsn,
+        stale_timeout_s=settings.sync_stale_timeout_s,
+        cipher=CredentialCipher.from_settings(settings),
+    )
     runner = SyncRunner(
         runs,
         runtime.pipeline,
@@ -55,8 +70,47 @@ async def serve(
         with contextlib.suppress(SyncInProgress):  # another process syncs it already
             await runs.start(connection_id, "cli")
 
+    reindexer = runtime.reindexer()
+    rechunker = runtime.rechunker()
+    app = api_app(runtime, runs, runner, reindexer, rechunker, access=access)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    background = [asyncio.create_task(runner.serve())]
+    if settings.scheduler_enabled:
+        background.append(
+            asyncio.create_task(
+                Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
+            )
+        )
+    try:
+        async with _grpc(runtime, host, grpc_port, access):
+            await server.serve()
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await runs.aclose()
+        await reindexer.aclose()
+        await rechunker.aclose()
+
+
+async def _ready(runtime: Runtime) -> bool:
+    return bool(await runtime.pool.fetchval("SELECT true"))
+
+
+def api_app(
+    runtime: Runtime,
+    runs: SyncRunStore,
+    runner: SyncRunner,
+    reindexer: Reindexer,
+    rechunker: Rechunker,
+    *,
+    access: Access,
+) -> FastAPI:
+    """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
+    re-chunking and re-indexing."""
+
     async def ready() -> bool:
-        return bool(await runtime.pool.fetchval("SELECT true"))
+        return await _ready(runtime)
 
     def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
         """A connection created with RAG on, or switched back on, is synced in full right away."""
@@ -80,16 +134,14 @@ async def serve(
             failed_again=replayed.failed,
         )
 
-    connections = ConnectionStore(runtime.pool, cipher)
+    connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
-    reindexer = runtime.reindexer()
-    rechunker = runtime.rechunker()
 
     async def resolve_embedding(spec: dict[str, Any]) -> tuple[str, int]:
         embedder = await runtime.spaces.resolve(spec)
         return embedder.model_key, embedder.dimension
 
-    app = create_app(
+    return create_app(
         lambda: runtime.retriever,
         ready=ready,
         sync_progress=lambda: runner.live,
@@ -109,32 +161,27 @@ async def serve(
             reindex_router(reindexer, SpaceStore(runtime.pool)),
         ],
         title="ragstream",
+        access=access,
+        max_request_bytes=runtime.settings.max_request_bytes,
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    background = [asyncio.create_task(runner.serve())]
-    if settings.scheduler_enabled:
-        background.append(
-            asyncio.create_task(
-                Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
-            )
-        )
-    try:
-        async with _grpc(runtime, host, grpc_port, ready):
-            await server.serve()
-    finally:
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
 
 
 @contextlib.asynccontextmanager
-async def _grpc(runtime: Runtime, host: str, port: int, ready: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
+async def _grpc(runtime: Runtime, host: str, port: int, access: Access) -> AsyncIterator[None]:
     """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
     if not port:
         yield
         return
-    async with grpc_server(lambda: runtime.retriever, host=host, port=port, ready=ready):
+
+    async def ready() -> bool:
+        return await _ready(runtime)
+
+    async with grpc_server(
+        lambda: runtime.retriever,
+        host=host,
+        port=port,
+        ready=ready,
+        access=access,
+        max_receive_bytes=runtime.settings.max_request_bytes,
+    ):
         yield

@@ -2,13 +2,103 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, GetCoreSchemaHandler, SecretStr, field_validator, model_validator
+from pydantic_core import core_schema
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ChunkingSettings", "EmbeddingProvider", "EmbeddingSettings", "Settings", "StageRetrySettings"]
+__all__ = [
+    "ApiKey",
+    "ApiKeys",
+    "ChunkingSettings",
+    "EmbeddingProvider",
+    "EmbeddingSettings",
+    "Role",
+    "Settings",
+    "StageRetrySettings",
+]
+
+
+class Role(StrEnum):
+    """What an API key may do: ``admin`` everything; ``search`` search and document reads, and it alone
+    may assert the caller's principal (it stands for the chat core, which knows the user)."""
+
+    ADMIN = "admin"
+    SEARCH = "search"
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    role: Role
+    secret: SecretStr
+
+
+class ApiKeys:
+    """``RAGSTREAM_API_KEYS``: comma-separated ``ROLE:SECRET`` pairs. Errors name the entry's position,
+    never its text; the repr shows the roles only."""
+
+    MIN_SECRET_CHARS = 16
+
+    def __init__(self, keys: Sequence[ApiKey]) -> None:
+        if not keys:
+            raise ValueError("RAGSTREAM_API_KEYS holds no key")
+        digests = [hashlib.sha256(key.secret.get_secret_value().encode()).digest() for key in keys]
+        if len(set(digests)) != len(digests):
+            raise ValueError("RAGSTREAM_API_KEYS: a secret appears twice")
+        self._keys = tuple(zip(digests, (key.role for key in keys), strict=True))
+
+    @classmethod
+    def parse(cls, text: str) -> ApiKeys:
+        keys = []
+        for position, entry in enumerate(text.split(","), start=1):
+            role, separator, secret = entry.strip().partition(":")
+            if not separator or role not in set(Role):
+                raise ValueError(f"RAGSTREAM_API_KEYS entry {position}: expected ROLE:SECRET with ROLE admin or search")
+            if len(secret) < cls.MIN_SECRET_CHARS or secret != secret.strip():
+                raise ValueError(
+                    f"RAGSTREAM_API_KEYS entry {position}: the secret needs at least {cls.MIN_SECRET_CHARS} "
+                    "characters and no surrounding spaces"
+                )
+            keys.append(ApiKey(Role(role), SecretStr(secret)))
+        return cls(keys)
+
+    def role_of(self, presented: str) -> Role | None:
+        """The role of the key ``presented``, or ``None``. Every key is compared, each in constant time
+        over equal-length digests, so the time taken says nothing about which key came close."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        found: Role | None = None
+        for known, role in self._keys:
+            if hmac.compare_digest(known, digest):
+                found = role
+        return found
+
+    def roles(self) -> list[Role]:
+        return [role for _, role in self._keys]
+
+    def __repr__(self) -> str:
+        return f"ApiKeys({', '.join(self.roles())})"
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        def validate(value: object) -> ApiKeys:
+            if isinstance(value, ApiKeys):
+                return value
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            if not isinstance(value, str):
+                raise ValueError("RAGSTREAM_API_KEYS must be text")
+            return cls.parse(value)
+
+        return core_schema.no_info_plain_validator_function(
+            validate, serialization=core_schema.plain_serializer_function_ser_schema(repr)
+        )
 
 
 class ChunkingSettings(BaseSettings):
@@ -63,7 +153,8 @@ class EmbeddingSettings(BaseSettings):
 class Settings(BaseSettings):
     """Top-level settings; ``DATABASE_URL`` and ``KAFKA_BOOTSTRAP_SERVERS`` keep their usual names."""
 
-    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_", populate_by_name=True)
+    # Errors never echo an input: several of them are secrets.
+    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_", populate_by_name=True, hide_input_in_errors=True)
 
     data_dir: Annotated[
         Path, Field(title="Embedded store folder", description="Holds the embedded PostgreSQL cluster.")
@@ -191,6 +282,30 @@ class Settings(BaseSettings):
             description="All interfaces, as the HTTP API in its image; `ragstream up` uses its --host.",
         ),
     ] = "0.0.0.0"
+    api_keys: Annotated[
+        ApiKeys | None,
+        Field(
+            title="API keys of the HTTP and gRPC APIs",
+            description="Comma-separated ROLE:SECRET pairs, ROLE admin or search, secrets of 16 characters or "
+            "more, sent as `Authorization: Bearer SECRET`. Unset: `ragstream up` serves loopback only with every "
+            "call allowed, and the services refuse to start unless RAGSTREAM_AUTH=none.",
+        ),
+    ] = None
+    auth: Annotated[
+        Literal["keys", "none"],
+        Field(
+            title="Authentication of the APIs",
+            description="`none` serves every call without a key: only behind a proxy or mesh that authenticates.",
+        ),
+    ] = "keys"
+    max_request_bytes: Annotated[
+        int,
+        Field(
+            title="Largest request body",
+            description="HTTP bodies beyond it get 413; also the gRPC API's largest received message.",
+            ge=1024,
+        ),
+    ] = 1024 * 1024
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
@@ -206,6 +321,18 @@ class Settings(BaseSettings):
         if self.dashscope_base_url:
             return self.dashscope_base_url
         return self.embedding.base_url if self.embedding.provider == "dashscope" else None
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _blank_means_no_keys(cls, value: object) -> object:
+        # Compose and Helm pass an unset variable as an empty one.
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @model_validator(mode="after")
+    def _auth_is_consistent(self) -> Settings:
+        if self.auth == "none" and self.api_keys is not None:
+            raise ValueError("RAGSTREAM_AUTH=none contradicts RAGSTREAM_API_KEYS: set one of them")
+        return self
 
     @model_validator(mode="after")
     def _dashscope_key_when_needed(self) -> Settings:

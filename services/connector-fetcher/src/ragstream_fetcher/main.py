@@ -32,6 +32,7 @@ from prometheus_client import make_asgi_app
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ragstream.api.auth import Access, protect
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.base import Connector
 from ragstream.connectors.folder import FolderConnector
@@ -85,7 +86,9 @@ class SyncStatus(BaseModel):
 
 
 def create_app() -> FastAPI:
+    """Refuses to build without ``RAGSTREAM_API_KEYS`` unless ``RAGSTREAM_AUTH=none``."""
     settings = Settings()
+    access = Access.for_service(settings, "connector-fetcher")
     fetcher = FetcherSettings()
     broker = create_broker(settings.kafka_bootstrap_servers, "connector-fetcher")
     state: dict[str, Runtime] = {}
@@ -271,6 +274,7 @@ def create_app() -> FastAPI:
         return ReplayResult(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
 
     app = FastAPI(title="ragstream connector-fetcher", version="1", lifespan=lifespan)
+    protect(app, access, max_request_bytes=settings.max_request_bytes)
     app.mount("/metrics", make_asgi_app())
     app.include_router(replay_router(replay))
 

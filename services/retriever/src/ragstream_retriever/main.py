@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
+from ragstream.api.auth import Access
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
 from ragstream.retrieval.reader import DocumentReader
@@ -20,7 +21,9 @@ __all__ = ["create_app"]
 
 
 def create_app() -> FastAPI:
+    """Refuses to build without ``RAGSTREAM_API_KEYS`` unless ``RAGSTREAM_AUTH=none``."""
     settings = Settings()
+    access = Access.for_service(settings, "retriever")
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}
 
@@ -32,6 +35,8 @@ def create_app() -> FastAPI:
         lambda: state["runtime"].retriever if "runtime" in state else None,
         ready=ready,
         reader=lambda: readers.get("reader"),
+        access=access,
+        max_request_bytes=settings.max_request_bytes,
     )
 
     @asynccontextmanager
@@ -48,7 +53,12 @@ def create_app() -> FastAPI:
             if settings.grpc_port:
                 await stack.enter_async_context(
                     grpc_server(
-                        lambda: runtime.retriever, host=settings.grpc_host, port=settings.grpc_port, ready=ready
+                        lambda: runtime.retriever,
+                        host=settings.grpc_host,
+                        port=settings.grpc_port,
+                        ready=ready,
+                        access=access,
+                        max_receive_bytes=settings.max_request_bytes,
                     )
                 )
             yield

@@ -4,7 +4,8 @@ gRPC health checking and server reflection.
 The servicer only translates: a request message becomes the HTTP API's :class:`SearchRequest` (so the
 limits and defaults are the same pydantic ones), the same ``HybridRetriever.search`` answers it, and
 the :class:`SearchResponse` becomes the reply message. Scope, ACL and citations are therefore exactly
-those of ``POST /v1/search``.
+those of ``POST /v1/search``, and :class:`AccessInterceptor` applies the HTTP API's keys and roles:
+the key goes in the ``authorization`` metadata (``Bearer SECRET``); health and reflection are open.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from typing_extensions import override
 
+from ragstream.api.auth import Access, Caller
 from ragstream.metrics import SEARCH_LATENCY
 from ragstream.retrieval.models import MetadataValue, SearchRequest, SearchResponse
+from ragstream.settings import Role
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 __all__ = [
     "MAX_BATCH",
+    "OPEN_SERVICES",
     "SERVICE_NAME",
+    "AccessInterceptor",
     "InvalidRequest",
     "RetrievalServicer",
     "Searcher",
@@ -42,6 +47,9 @@ SERVICE_NAME = retrieval_pb2.DESCRIPTOR.services_by_name["Retrieval"].full_name
 # 32 answers of at most 12,000 characters of text each (three bytes a CJK character) plus previews and
 # ids stay well under the 4 MB a gRPC client accepts by default.
 MAX_BATCH = 32
+
+# Probes and API discovery: what a Kubernetes grpc probe or grpcurl needs without a key.
+OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
 
 _ROLES = {retrieval_pb2.ChatTurn.ROLE_USER: "user", retrieval_pb2.ChatTurn.ROLE_ASSISTANT: "assistant"}
 _ListField = Literal["connection_ids", "platforms", "knowledge_bases", "sources"]
@@ -175,6 +183,64 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         await context.abort(*failure)
 
 
+def _asserts_principal(message: object) -> bool:
+    if isinstance(message, retrieval_pb2.SearchRequest):
+        return message.HasField("principal")
+    if isinstance(message, retrieval_pb2.SearchBatchRequest):
+        return any(request.HasField("principal") for request in message.requests)
+    return False
+
+
+def _denial(code: grpc.StatusCode, detail: str) -> grpc.RpcMethodHandler[Any, Any]:
+    async def deny(request: object, context: Context) -> None:
+        await context.abort(code, detail)
+
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class AccessInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED without a valid key, PERMISSION_DENIED for a role that may not call the method
+    (Retrieval takes a search key; any other service, admin) or an admin key asserting a principal."""
+
+    def __init__(self, access: Access) -> None:
+        self._access = access
+
+    @override
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        service = handler_call_details.method.strip("/").partition("/")[0]
+        if service in OPEN_SERVICES:
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        authorization = metadata.get("authorization")
+        caller = self._access.authenticate(authorization if isinstance(authorization, str) else None)
+        if caller is None:
+            return _denial(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
+        if not caller.may_call(Role.SEARCH if service == SERVICE_NAME else Role.ADMIN):
+            return _denial(grpc.StatusCode.PERMISSION_DENIED, "this API key may not call this method")
+        handler = await continuation(handler_call_details)
+        return handler if handler is None else _principal_checked(handler, caller)
+
+
+def _principal_checked(handler: grpc.RpcMethodHandler[Any, Any], caller: Caller) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler``, refusing a request that asserts a principal when ``caller`` may not."""
+    behaviour = handler.unary_unary
+    if caller.may_assert_principal or behaviour is None:
+        return handler
+
+    async def checked(request: object, context: Context) -> object:
+        if _asserts_principal(request):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "only a search key may assert a principal")
+        return await behaviour(request, context)  # type: ignore[arg-type]  # the stubs know only sync contexts
+
+    return grpc.unary_unary_rpc_method_handler(
+        checked, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+
+
 async def _report_health(
     servicer: health.aio.HealthServicer, ready: Callable[[], Awaitable[bool]] | None, interval_s: float
 ) -> None:
@@ -202,16 +268,22 @@ async def grpc_server(
     ready: Callable[[], Awaitable[bool]] | None = None,
     health_interval_s: float = 5.0,
     grace_s: float = 5.0,
+    access: Access | None = None,
+    max_receive_bytes: int = 1024 * 1024,
 ) -> AsyncIterator[int]:
     """Serve the Retrieval service, health checking and reflection on ``host:port`` (port 0: a free
     one) until the block exits, and yield the bound port. A port that cannot be bound raises.
 
     Health (for the server "" and for ``ragstream.v1.Retrieval``) follows ``ready`` like the HTTP
     ``/readyz``, so a Kubernetes ``grpc`` readiness probe means the same; it is NOT_SERVING during the
-    ``grace_s`` in which calls in flight may finish."""
+    ``grace_s`` in which calls in flight may finish. Calls go through ``access`` (none: every call
+    allowed), and a message over ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED)."""
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start and silently take
     # a share of the calls (another `ragstream up` with another store). Off, binding it fails instead.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        interceptors=[AccessInterceptor(access or Access.open())],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_receive_bytes)],
+    )
     retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

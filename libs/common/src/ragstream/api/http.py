@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ragstream.api.auth import Access, check_principal, protect, search_route
 from ragstream.metrics import SEARCH_LATENCY
 from ragstream.pipeline import SyncProgress
 from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
@@ -29,11 +30,16 @@ def create_app(
     reader: Callable[[], DocumentReader | None] | None = None,
     routers: Sequence[APIRouter] = (),
     title: str = "ragstream retriever",
+    access: Access | None = None,
+    max_request_bytes: int = 1024 * 1024,
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
     app starts before the store is open; until then search and reads answer 503 and readiness is false.
-    ``routers`` add the control plane where the process has one (connections, replays)."""
+    ``routers`` add the control plane where the process has one (connections, replays).
+    Every route is behind ``access`` (see :mod:`ragstream.api.auth`); without one, every call is
+    allowed, as ``ragstream up`` on loopback without keys."""
     app = FastAPI(title=title, version="1")
+    protect(app, access or Access.open(), max_request_bytes=max_request_bytes)
     for router in routers:
         app.include_router(router)
 
@@ -45,7 +51,9 @@ def create_app(
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(problems)})
 
     @app.post("/v1/search", response_model=SearchResponse)
-    async def search(request: SearchRequest) -> SearchResponse:
+    @search_route
+    async def search(request: SearchRequest, http: Request) -> SearchResponse:
+        check_principal(http, request.principal is not None)
         current = retriever()
         if current is None:
             raise HTTPException(status_code=503, detail="the index is still starting")
@@ -75,7 +83,9 @@ def create_app(
             response_model=DocumentRead,
             responses={404: {"description": "No such document, or not one the caller may see (the same answer)"}},
         )
+        @search_route
         async def read_document(
+            http: Request,
             document_id: str,
             conversation_id: Annotated[
                 str | None, Query(max_length=200, description="Keeps the citation number of earlier searches.")
@@ -88,6 +98,7 @@ def create_app(
         ) -> DocumentRead:
             """The document's text (chunks in order, cut to the budget) and its source-card fields,
             under the same scope and permission rules as search."""
+            check_principal(http, user is not None)
             current = reader_of()
             if current is None:
                 raise HTTPException(status_code=503, detail="the index is still starting")
