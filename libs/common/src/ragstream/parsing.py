@@ -90,6 +90,14 @@ class Parser:
         self._max_bytes = max_bytes
         self._max_unpacked = min(8 * max_bytes, 256 << 20) if max_unpacked_bytes is None else max_unpacked_bytes
 
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def max_unpacked_bytes(self) -> int:
+        return self._max_unpacked
+
     def check_size(self, content: bytes) -> None:
         """``too_large`` when ``content`` is over the limit: checked before it is handed to a worker."""
         if len(content) > self._max_bytes:
@@ -103,7 +111,8 @@ class Parser:
         markdown = strip_unstorable(parsed.markdown)
         if len(markdown) > self._max_bytes:
             raise ParseError(
-                ParseErrorCode.TOO_LARGE, f"its text of {len(markdown)} characters is over the limit of {self._max_bytes}"
+                ParseErrorCode.TOO_LARGE,
+                f"its text of {len(markdown)} characters is over the limit of {self._max_bytes}",
             )
         if not markdown.strip():
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text")
@@ -174,7 +183,9 @@ def _strip_html_noise(soup: BeautifulSoup) -> None:
 
     for element in soup.find_all(_HTML_NOISE):
         element.decompose()
-    for node in soup.find_all(string=lambda node: isinstance(node, Comment | Declaration | Doctype | ProcessingInstruction)):
+    for node in soup.find_all(
+        string=lambda node: isinstance(node, Comment | Declaration | Doctype | ProcessingInstruction)
+    ):
         node.extract()
 
 
@@ -254,9 +265,7 @@ def _from_docx(content: bytes, fallback_title: str) -> ParsedDocument:
         default_style = document.styles.default(WD_STYLE_TYPE.PARAGRAPH)
         default_name = default_style.name or "" if default_style is not None else ""
         style_names = {
-            style.style_id: style.name or ""
-            for style in document.styles
-            if style.type == WD_STYLE_TYPE.PARAGRAPH
+            style.style_id: style.name or "" for style in document.styles if style.type == WD_STYLE_TYPE.PARAGRAPH
         }
         blocks: list[str] = []
         for block in document.iter_inner_content():

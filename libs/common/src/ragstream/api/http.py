@@ -84,7 +84,9 @@ def create_app(
             user: Annotated[
                 StorableStr | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks.")
             ] = None,
-            groups: Annotated[list[StorableStr], Query(description="Caller's groups: repeated or comma-separated.")] = [],  # noqa: B006
+            groups: Annotated[
+                list[StorableStr], Query(description="Caller's groups: repeated or comma-separated.")
+            ] = [],  # noqa: B006
             max_chars: Annotated[int, Query(ge=1, le=MAX_CALL_CHARS, description="Text budget.")] = MAX_CALL_CHARS,
         ) -> DocumentRead:
             """The document's text (chunks in order, cut to the budget) and its source-card fields,

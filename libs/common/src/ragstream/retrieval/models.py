@@ -28,13 +28,14 @@ class SearchFilters(BaseModel):
     missing one does not."""
 
     connection_ids: Annotated[list[StorableStr] | None, Field(title="Only these connections")] = None
-    platforms: Annotated[list[StorableStr] | None, Field(title="Only these platforms", description="folder, feishu, ...")] = (
-        None
-    )
+    platforms: Annotated[
+        list[StorableStr] | None, Field(title="Only these platforms", description="folder, feishu, ...")
+    ] = None
     knowledge_bases: Annotated[list[StorableStr] | None, Field(title="Only these knowledge bases")] = None
     sources: Annotated[list[StorableStr] | None, Field(title="Only these sources", description="Paths or URLs.")] = None
     metadata: Annotated[
-        dict[StorableStr, MetadataValue] | None, Field(title="Metadata that must match", description="All pairs must match.")
+        dict[StorableStr, MetadataValue] | None,
+        Field(title="Metadata that must match", description="All pairs must match."),
     ] = None
 
 
