@@ -161,7 +161,7 @@ class Parser:
             _strip_html_noise(soup)
             markdown = MarkdownConverter(heading_style="ATX").convert_soup(soup)
         except Exception as error:  # markdownify raises whatever the tree walk raised (RecursionError, ...)
-            raise ParseError(ParseErrorCode.MALFORMED, f"HTML could not be converted: {error}") from error
+            raise _unreadable(error, "HTML could not be converted") from error
         markdown = re.sub(r"\n{3,}", "\n\n", markdown).strip()
         if not markdown:
             raise ParseError(ParseErrorCode.EMPTY, "the HTML page has no text")
@@ -187,6 +187,18 @@ def _strip_html_noise(soup: BeautifulSoup) -> None:
         string=lambda node: isinstance(node, Comment | Declaration | Doctype | ProcessingInstruction)
     ):
         node.extract()
+
+
+def _unreadable(error: Exception, what: str) -> ParseError:
+    """``malformed``, or ``parse_memory`` when the library ran out of memory: a ``MemoryError`` in the
+    chain, or libxml2's ``ERR_NO_MEMORY``, which lxml reports as a syntax error."""
+    cause: BaseException | None = error
+    while cause is not None:
+        log = getattr(cause, "error_log", None) or ()
+        if isinstance(cause, MemoryError) or any(getattr(entry, "type_name", "") == "ERR_NO_MEMORY" for entry in log):
+            return ParseError(ParseErrorCode.PARSE_MEMORY, f"{what}: it needs more memory than the parser may use")
+        cause = cause.__cause__ or cause.__context__
+    return ParseError(ParseErrorCode.MALFORMED, f"{what}: {error}")
 
 
 def _first_h1(markdown: str) -> str:
@@ -243,7 +255,7 @@ def _from_pdf(content: bytes, fallback_title: str) -> ParsedDocument:
     except ParseError:
         raise
     except Exception as error:  # pypdf raises many types for broken files (PdfReadError, KeyError, ...)
-        raise ParseError(ParseErrorCode.MALFORMED, f"the PDF could not be read: {error}") from error
+        raise _unreadable(error, "the PDF could not be read") from error
     paragraphs = [unwrap_lines(page.strip()) for page in pages]
     markdown = re.sub(r"\n{3,}", "\n\n", "\n\n".join(text for text in paragraphs if text))
     if not markdown.strip():
@@ -292,7 +304,7 @@ def _from_docx(content: bytes, fallback_title: str) -> ParsedDocument:
                 blocks.append(text)
         title = (document.core_properties.title or "").strip()
     except Exception as error:  # not a zip, not a Word package, a broken part: python-docx raises each its way
-        raise ParseError(ParseErrorCode.MALFORMED, f"the Word document could not be read: {error}") from error
+        raise _unreadable(error, "the Word document could not be read") from error
     markdown = "\n\n".join(blocks)
     if not markdown.strip():
         raise ParseError(ParseErrorCode.EMPTY, "the Word document has no text")

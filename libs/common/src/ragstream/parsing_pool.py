@@ -198,6 +198,8 @@ def _serve(max_bytes: int, max_unpacked_bytes: int, memory_mb: int) -> None:
             parsed = parser.run(content, request["media_type"], request["title"])
         except ParseError as error:
             _write_reply(replies, {"code": error.code, "message": error.message})
+            if error.code == ParseErrorCode.PARSE_MEMORY:
+                return  # as below
         except MemoryError:
             del content
             _write_reply(
