@@ -17,7 +17,7 @@ from ragstream.pipeline import SyncProgress
 from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
 from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
-from ragstream.storable import StorableStr
+from ragstream.storable import Storable, StorableStr
 
 __all__ = ["create_app"]
 
@@ -79,10 +79,12 @@ def create_app(
         async def read_document(
             document_id: StorableStr,
             conversation_id: Annotated[
-                StorableStr | None, Query(max_length=200, description="Keeps the citation number of earlier searches.")
+                str | None,
+                Query(max_length=200, description="Keeps the citation number of earlier searches."),
+                Storable,
             ] = None,
             user: Annotated[
-                StorableStr | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks.")
+                str | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks."), Storable
             ] = None,
             groups: Annotated[
                 list[StorableStr], Query(description="Caller's groups: repeated or comma-separated.")

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from ragstream.storable import StorableStr
+from ragstream.storable import Storable, StorableStr
 
 __all__ = ["ChatTurn", "MetadataValue", "Principal", "SearchFilters", "SearchRequest", "SearchResponse", "SearchResult"]
 
@@ -16,7 +16,7 @@ MetadataValue = StorableStr | int | float | bool
 class Principal(BaseModel):
     """Who is asking; a chunk whose ACL names none of these principals is invisible to them."""
 
-    user: Annotated[StorableStr, Field(title="User id", min_length=1)]
+    user: Annotated[str, Field(title="User id", min_length=1), Storable]
     groups: Annotated[list[StorableStr], Field(title="Group ids")] = []
 
     def principals(self) -> list[str]:
@@ -41,19 +41,20 @@ class SearchFilters(BaseModel):
 
 class ChatTurn(BaseModel):
     role: Literal["user", "assistant"]
-    content: Annotated[StorableStr, Field(max_length=20_000)]
+    content: Annotated[str, Field(max_length=20_000), Storable]
 
 
 class SearchRequest(BaseModel):
-    query: Annotated[StorableStr, Field(title="Query", min_length=1, max_length=4000)]
+    query: Annotated[str, Field(title="Query", min_length=1, max_length=4000), Storable]
     top_k: Annotated[int, Field(title="Results to return", ge=1, le=30)] = 10
     filters: Annotated[SearchFilters, Field(title="Scope")] = SearchFilters()
     principal: Annotated[
         Principal | None, Field(title="Caller", description="Without one, only unrestricted chunks are visible.")
     ] = None
     conversation_id: Annotated[
-        StorableStr | None,
+        str | None,
         Field(title="Conversation", description="Keeps citation numbers stable across calls.", max_length=200),
+        Storable,
     ] = None
     history: Annotated[
         list[ChatTurn], Field(title="Conversation so far", description="Used by the optional query rephraser.")
