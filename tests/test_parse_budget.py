@@ -137,3 +137,14 @@ async def test_unstorable_text_that_reaches_the_index_step_is_a_permanent_failur
     assert raised.type.__module__.startswith("asyncpg")
     failure = classify(raised.value)
     assert (failure.code, failure.retryable) == ("unstorable_text", False)
+
+
+async def test_a_worker_that_cannot_start_is_a_retryable_error_not_the_documents() -> None:
+    # 40 MiB cannot hold the parsing libraries: the worker dies importing them, before any document.
+    pool = ParserPool(Parser(), workers=1, memory_mb=40)
+    try:
+        with pytest.raises(RuntimeError, match="failed to start") as raised:
+            await pool.run(b"# Fine\n\ntext", "text/markdown", "fine.md")
+        assert classify(raised.value).retryable
+    finally:
+        await pool.aclose()

@@ -5,6 +5,7 @@ an event loop and threads), its address space capped with ``RLIMIT_AS``, that pa
 at a time. It reads requests from its stdin and answers on its stdout, in frames of a 4-byte length
 and a payload::
 
+    ready     JSON {"ready": true}, once, when its imports are done (not part of any budget)
     request   JSON {"media_type", "title"}, then the content bytes
     reply     JSON {"title"} or {"code", "message"} (a ParseError), then the Markdown (UTF-8)
 
@@ -29,6 +30,7 @@ __all__ = ["ParserPool"]
 
 _LENGTH = struct.Struct(">I")
 _CLOSE_GRACE_S = 5.0
+_START_TIMEOUT_S = 60.0
 
 
 class _Worker:
@@ -52,13 +54,27 @@ class _Worker:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
-        return cls(process)
+        worker = cls(process)
+        assert process.stdout is not None
+        try:
+            async with asyncio.timeout(_START_TIMEOUT_S):
+                ready = json.loads(await _read_frame(process.stdout))
+        except (asyncio.IncompleteReadError, TimeoutError) as error:
+            status = await worker.kill()
+            raise RuntimeError(f"a parser worker failed to start (exit status {status})") from error
+        except BaseException:
+            await worker.kill()
+            raise
+        if ready != {"ready": True}:
+            await worker.kill()
+            raise RuntimeError(f"a parser worker started with {ready!r} instead of its ready frame")
+        return worker
 
     async def parse(self, content: bytes, media_type: str, title: str) -> ParsedDocument:
         stdin, stdout = self._process.stdin, self._process.stdout
         assert stdin is not None and stdout is not None  # both are pipes
-        for payload in (json.dumps({"media_type": media_type, "title": title}).encode(), content):
-            stdin.write(_LENGTH.pack(len(payload)) + payload)
+        stdin.write(_frame(json.dumps({"media_type": media_type, "title": title}).encode()))
+        stdin.write(_frame(content))
         await stdin.drain()
         reply: dict[str, Any] = json.loads(await _read_frame(stdout))
         markdown = (await _read_frame(stdout)).decode()
@@ -173,9 +189,12 @@ def _read_request(stream: IO[bytes]) -> bytes | None:
     return payload if len(payload) == length else None
 
 
+def _frame(payload: bytes) -> bytes:
+    return _LENGTH.pack(len(payload)) + payload
+
+
 def _write_reply(stream: IO[bytes], reply: dict[str, str], markdown: str = "") -> None:
-    for payload in (json.dumps(reply).encode(), markdown.encode()):
-        stream.write(_LENGTH.pack(len(payload)) + payload)
+    stream.write(_frame(json.dumps(reply).encode()) + _frame(markdown.encode()))
     stream.flush()
 
 
@@ -192,6 +211,8 @@ def _serve(max_bytes: int, max_unpacked_bytes: int, memory_mb: int) -> None:
     import pypdf  # noqa: F401
 
     parser = Parser(max_bytes, max_unpacked_bytes)
+    replies.write(_frame(json.dumps({"ready": True}).encode()))
+    replies.flush()
     while (header := _read_request(requests)) is not None and (content := _read_request(requests)) is not None:
         request = json.loads(header)
         try:
