@@ -144,13 +144,14 @@ def test_other_files_are_not_read(name: str) -> None:
 
 def test_html_keeps_the_text_and_drops_the_page_chrome() -> None:
     html = (
+        b'<?xml version="1.0" encoding="UTF-8" standalone="no"?>\n'
         b"<!DOCTYPE html><?xml-stylesheet href='a'?><html><body><header>site header</header>"
         b"<template>hidden template</template><svg><text>svg label</text></svg><!-- a comment -->"
         b"<h2>Steps</h2><ul><li>first step</li></ul><table><tr><th>Key</th></tr><tr><td>value</td></tr></table>"
         b"<pre><code>run --fast</code></pre><footer>site footer</footer></body></html>"
     )
     markdown = Parser().run(html, "text/html", "page").markdown
-    for noise in ("site header", "hidden template", "svg label", "a comment", "site footer", "DOCTYPE", "xml"):
+    for noise in ("site header", "hidden template", "svg label", "a comment", "site footer", "DOCTYPE", "xml", "UTF-8"):
         assert noise not in markdown
     assert "## Steps" in markdown and "* first step" in markdown and "| Key |" in markdown and "run --fast" in markdown
 
