@@ -2,7 +2,7 @@
 
 Each worker is ``python -m ragstream.parsing_pool``: a fresh interpreter (no fork of a process with
 an event loop and threads), its address space capped with ``RLIMIT_AS``, that parses one document
-at a time. It reads requests from its stdin and answers on its stdout, in frames of a 4-byte length
+at a time. It reads requests from its stdin and answers on its stdout, in frames of an 8-byte length
 and a payload::
 
     ready     JSON {"ready": true}, once, when its imports are done (not part of any budget)
@@ -28,7 +28,7 @@ from ragstream.parsing import ParsedDocument, ParseError, ParseErrorCode, Parser
 
 __all__ = ["ParserPool"]
 
-_LENGTH = struct.Struct(">I")
+_LENGTH = struct.Struct(">Q")
 _CLOSE_GRACE_S = 5.0
 _START_TIMEOUT_S = 60.0
 
