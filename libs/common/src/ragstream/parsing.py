@@ -31,8 +31,8 @@ _MEDIA_TYPES = {
 _CONTROL = re.compile(rb"[\x00-\x08\x0e-\x1f]")
 # Not the page's text: code, the head, and the site's navigation, sidebars, headers and footers.
 _HTML_NOISE = ("script", "style", "head", "nav", "noscript", "aside", "footer", "header", "template", "svg")
-# Members that inflate more than this many times their compressed size are a bomb, not a document
-# (Word's XML compresses 5 to 20 times; a run of zeros a thousand times).
+# Members that inflate more than this many times their compressed size are a bomb, not a document:
+# DEFLATE reaches about a thousand on a run of zeros, text and markup stay far below this.
 _MAX_COMPRESSION_RATIO = 200
 _RATIO_FLOOR = 1 << 20  # small members may compress as well as they like
 _CJK = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
