@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncpg
 import pytest
 
 from ragstream.embedding.base import EmbeddingError
@@ -18,6 +19,11 @@ from ragstream.parsing import ParseError, ParseErrorCode
         (ConnectionResetError("reset by peer"), True, "ConnectionResetError", True),
         (ParseError(ParseErrorCode.EMPTY, "no text"), False, "empty", False),
         (ParseError(ParseErrorCode.TOO_LARGE, "17 MB"), False, "too_large", False),
+        (ParseError(ParseErrorCode.PARSE_TIMEOUT, "60 s"), False, "parse_timeout", False),
+        # Text PostgreSQL refuses fails the same way on every attempt; no raw asyncpg class as code.
+        (asyncpg.CharacterNotInRepertoireError("invalid byte sequence"), False, "unstorable_text", False),
+        (asyncpg.UntranslatableCharacterError("\\u0000"), False, "unstorable_text", False),
+        (asyncpg.DeadlockDetectedError("deadlock"), False, "database_error", True),
         # A bug or a bad config: a replay may fix it later, waiting a second will not.
         (ValueError("invalid chunking config"), False, "ValueError", True),
     ],

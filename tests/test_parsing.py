@@ -140,3 +140,72 @@ def test_media_types_by_extension(name: str, media_type: str) -> None:
 @pytest.mark.parametrize("name", ["image.png", "noextension", "archive.tar.gz", "old.doc"])
 def test_other_files_are_not_read(name: str) -> None:
     assert media_type_for(name) is None
+
+
+def test_html_keeps_the_text_and_drops_the_page_chrome() -> None:
+    html = (
+        b'<?xml version="1.0" encoding="UTF-8" standalone="no"?>\n'
+        b"<!DOCTYPE html><?xml-stylesheet href='a'?><html><body><header>site header</header>"
+        b"<template>hidden template</template><svg><text>svg label</text></svg><!-- a comment -->"
+        b"<h2>Steps</h2><ul><li>first step</li></ul><table><tr><th>Key</th></tr><tr><td>value</td></tr></table>"
+        b"<pre><code>run --fast</code></pre><footer>site footer</footer></body></html>"
+    )
+    markdown = Parser().run(html, "text/html", "page").markdown
+    for noise in ("site header", "hidden template", "svg label", "a comment", "site footer", "DOCTYPE", "xml", "UTF-8"):
+        assert noise not in markdown
+    assert "## Steps" in markdown and "* first step" in markdown and "| Key |" in markdown and "run --fast" in markdown
+
+
+def test_html_of_unclosed_tags_parses_in_linear_time() -> None:
+    # Python's html.parser is quadratic on these (minutes at this size); lxml is not.
+    page = "<p>The lentil page.</p>" + "<a " * 50_000 + "<!--" * 50_000
+    assert "lentil" in Parser().run(page.encode(), "text/html", "page").markdown
+
+
+@pytest.mark.parametrize("media_type", [PDF, DOCX, "text/markdown"])
+def test_zero_bytes_are_empty_whatever_the_type(media_type: str) -> None:
+    with pytest.raises(ParseError) as empty:
+        Parser().run(b"", media_type, "nothing")
+    assert empty.value.code == ParseErrorCode.EMPTY
+
+
+def test_nul_and_lone_surrogates_are_removed_from_the_text_and_title() -> None:
+    # A NUL in the first 8 KiB means a binary file; one further on is removed.
+    late_nul = b"# Title\n\n" + b"words " * 2000 + b"\x00tail"
+    parsed = Parser().run(late_nul, "text/markdown", "fallback")
+    assert parsed.title == "Title" and "\x00" not in parsed.markdown and parsed.markdown.endswith("words tail")
+    assert Parser().run(b"text", "text/plain", "name\ud800\x00.txt").title == "name.txt"
+
+
+def test_text_past_the_limit_once_parsed_is_too_large() -> None:
+    document = docx.Document()
+    for number in range(3000):
+        document.add_paragraph(f"paragraph {number}")
+    content = docx_bytes(document)
+    assert len(Parser().run(content, DOCX, "long.docx").markdown) > len(content)
+    with pytest.raises(ParseError, match="characters is over the limit") as large:
+        Parser(len(content), max_unpacked_bytes=10 << 20).run(content, DOCX, "long.docx")
+    assert large.value.code == ParseErrorCode.TOO_LARGE
+
+
+def test_a_word_package_that_inflates_past_the_limit_is_too_large() -> None:
+    document = docx.Document()
+    document.add_paragraph("Fine on its own.")
+    content = docx_bytes(document)
+    assert Parser().run(content, DOCX, "ok.docx").markdown == "Fine on its own."
+    with pytest.raises(ParseError, match="inflates to") as large:
+        Parser(max_unpacked_bytes=10_000).run(content, DOCX, "ok.docx")
+    assert large.value.code == ParseErrorCode.TOO_LARGE
+
+
+@pytest.mark.parametrize(
+    ("markdown", "title"),
+    [
+        ("# C# tips #\n", "C# tips"),
+        ("#NoSpace\n\n# Real one\n", "Real one"),
+        ("##  Sub\n", "fallback"),
+        ("#\n", "fallback"),
+    ],
+)
+def test_markdown_title_is_the_first_h1_line(markdown: str, title: str) -> None:
+    assert Parser().run(markdown.encode(), "text/markdown", "fallback").title == title

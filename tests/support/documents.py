@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
 
 import docx.document
 
-__all__ = ["docx_bytes", "pdf_with_text"]
+__all__ = ["docx_bytes", "pdf_with_text", "streamed_docx"]
 
 
 def pdf_with_text(*pages: str, title: str | None = None) -> bytes:
@@ -43,3 +46,41 @@ def docx_bytes(document: docx.document.Document) -> bytes:
     out = io.BytesIO()
     document.save(out)
     return out.getvalue()
+
+
+_CONTENT_TYPES = (
+    '<?xml version="1.0" encoding="UTF-8" standalone="yes"?>'
+    '<Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types">'
+    '<Default Extension="rels" ContentType="application/vnd.openxmlformats-package.relationships+xml"/>'
+    '<Default Extension="xml" ContentType="application/xml"/>'
+    '<Override PartName="/word/document.xml" '
+    'ContentType="application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"/>'
+    "</Types>"
+)
+_RELS = (
+    '<?xml version="1.0" encoding="UTF-8" standalone="yes"?>'
+    '<Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships">'
+    '<Relationship Id="rId1" Target="word/document.xml" '
+    'Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/officeDocument"/>'
+    "</Relationships>"
+)
+_BODY_OPEN = (
+    '<?xml version="1.0" encoding="UTF-8" standalone="yes"?>'
+    '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body>'
+)
+
+
+def streamed_docx(path: Path, paragraphs: Iterable[str], padding: Iterable[bytes] = ()) -> None:
+    """A minimal Word package written member by member, so a huge one never sits in memory: one
+    paragraph per item of ``paragraphs``, and a ``word/padding.bin`` member of the ``padding`` chunks."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as package:
+        package.writestr("[Content_Types].xml", _CONTENT_TYPES)
+        package.writestr("_rels/.rels", _RELS)
+        with package.open("word/document.xml", "w", force_zip64=True) as body:
+            body.write(_BODY_OPEN.encode())
+            for text in paragraphs:
+                body.write(f"<w:p><w:r><w:t>{text}</w:t></w:r></w:p>".encode())
+            body.write(b"</w:body></w:document>")
+        with package.open("word/padding.bin", "w", force_zip64=True) as member:
+            for chunk in padding:
+                member.write(chunk)

@@ -2,11 +2,16 @@
 
 Hierarchy of what a stage may raise::
 
-    ParseError        permanent: the document itself is unreadable (empty, binary, bad UTF-8, ...)
+    ParseError        permanent: the document itself is unreadable (empty, binary, bad UTF-8, over
+                      the parse budget: ``parse_timeout``, ``parse_memory``, ...)
     EmbeddingError    transient (throttling, provider down: ``embedding_unavailable``) or permanent
                       (a rejected input: ``embedding_rejected``), as the provider said
     TimeoutError,     transient: the cause is outside the document and passes
     ConnectionError
+    CharacterNotInRepertoireError,  permanent (``unstorable_text``): text PostgreSQL refuses (a
+    UntranslatableCharacterError,   NUL, a lone surrogate, a character without a form in the
+    UnicodeEncodeError              database's encoding) that got past the parser
+    PostgresError     anything else from the database: ``database_error``, recorded as retryable
     Exception         anything else: recorded as retryable (a replay or the next sync tries again),
                       but not retried at once: waiting does not fix a bug or a bad config
 
@@ -21,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import asyncpg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from ragstream.embedding.base import EmbeddingError
@@ -32,6 +38,7 @@ from ragstream.storage.documents import DocumentStore, Failure
 __all__ = ["StageFailure", "StageRetry", "classify", "is_transient", "record_failure", "record_retry"]
 
 _T = TypeVar("_T")
+_UNSTORABLE_TEXT = (asyncpg.CharacterNotInRepertoireError, asyncpg.UntranslatableCharacterError, UnicodeEncodeError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,11 @@ def classify(error: Exception) -> StageFailure:
     if isinstance(error, EmbeddingError):
         code = "embedding_unavailable" if error.retryable else "embedding_rejected"
         return StageFailure(code, str(error), retryable=error.retryable)
+    if isinstance(error, _UNSTORABLE_TEXT):
+        # The same text fails the same way on every attempt.
+        return StageFailure("unstorable_text", f"PostgreSQL cannot store the document's text: {error}", retryable=False)
+    if isinstance(error, asyncpg.PostgresError):
+        return StageFailure("database_error", f"{type(error).__name__}: {error}", retryable=True)
     return StageFailure(type(error).__name__, str(error) or repr(error), retryable=True)
 
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import io
 import re
+import zipfile
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from ragstream.storable import strip_unstorable
+
+if TYPE_CHECKING:
+    from bs4 import BeautifulSoup
 
 __all__ = ["DOCX", "PDF", "ParseError", "ParseErrorCode", "ParsedDocument", "Parser", "media_type_for", "unwrap_lines"]
 
@@ -22,12 +29,12 @@ _MEDIA_TYPES = {
     ".docx": DOCX,
 }
 _CONTROL = re.compile(rb"[\x00-\x08\x0e-\x1f]")
-_H1 = re.compile(r"^#\s+(.+?)\s*#*\s*$", re.MULTILINE)
-_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
-# Not the page's text: code, the head, and the site's navigation, sidebars and footers.
-_HTML_NOISE = re.compile(
-    r"<(script|style|head|nav|noscript|aside|footer)\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL
-)
+# Not the page's text: code, the head, and the site's navigation, sidebars, headers and footers.
+_HTML_NOISE = ("script", "style", "head", "nav", "noscript", "aside", "footer", "header", "template", "svg")
+# Members that inflate more than this many times their compressed size are a bomb, not a document:
+# DEFLATE reaches about a thousand on a run of zeros, text and markup stay far below this.
+_MAX_COMPRESSION_RATIO = 200
+_RATIO_FLOOR = 1 << 20  # small members may compress as well as they like
 _CJK = "\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
 _CJK_LINE_BREAK = re.compile(f"(?<=[{_CJK}])[ \t]*\n[ \t]*(?=[{_CJK}])")
 _LINE_BREAK = re.compile(r"(?<=\S)[ \t]*\n[ \t]*(?=\S)")
@@ -48,6 +55,9 @@ class ParseErrorCode(StrEnum):
     UNSUPPORTED = "unsupported_type"
     MALFORMED = "malformed"
     ENCRYPTED = "encrypted"
+    PARSE_TIMEOUT = "parse_timeout"
+    PARSE_MEMORY = "parse_memory"
+    PARSE_CRASHED = "parse_crashed"
 
 
 class ParseError(Exception):
@@ -68,18 +78,51 @@ class ParsedDocument:
 class Parser:
     """Decodes and normalises md, txt, html, pdf and docx; rejects what would index as garbage.
 
-    Synchronous and CPU-bound (a long PDF takes seconds): async callers run it in a thread.
+    Synchronous and CPU-bound (a long PDF takes seconds), and trusting its input to be no bomb: the
+    pipeline runs it in worker processes with a time and memory budget (``ParserPool``). Each step
+    here is linear in the input. ``max_bytes`` bounds the content and the parsed text (in characters),
+    ``max_unpacked_bytes`` what a Word package may inflate to (default: 8 × ``max_bytes``, at most
+    256 MiB). NUL characters and lone surrogates, which PostgreSQL cannot store, are removed from the
+    text of every format (PDF text layers carry them from broken fonts).
     """
 
-    def __init__(self, max_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, max_bytes: int = 16 * 1024 * 1024, max_unpacked_bytes: int | None = None) -> None:
         self._max_bytes = max_bytes
+        self._max_unpacked = min(8 * max_bytes, 256 << 20) if max_unpacked_bytes is None else max_unpacked_bytes
 
-    def run(self, content: bytes, media_type: str, fallback_title: str) -> ParsedDocument:
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def max_unpacked_bytes(self) -> int:
+        return self._max_unpacked
+
+    def check_size(self, content: bytes) -> None:
+        """``too_large`` when ``content`` is over the limit: checked before it is handed to a worker."""
         if len(content) > self._max_bytes:
             raise ParseError(ParseErrorCode.TOO_LARGE, f"{len(content)} bytes is over the limit of {self._max_bytes}")
+
+    def run(self, content: bytes, media_type: str, fallback_title: str) -> ParsedDocument:
+        self.check_size(content)
+        if not content:
+            raise ParseError(ParseErrorCode.EMPTY, "the file is empty")
+        parsed = self._parse(content, media_type, strip_unstorable(fallback_title))
+        markdown = strip_unstorable(parsed.markdown)
+        if len(markdown) > self._max_bytes:
+            raise ParseError(
+                ParseErrorCode.TOO_LARGE,
+                f"its text of {len(markdown)} characters is over the limit of {self._max_bytes}",
+            )
+        if not markdown.strip():
+            raise ParseError(ParseErrorCode.EMPTY, "the document has no text")
+        return ParsedDocument(strip_unstorable(parsed.title), markdown)
+
+    def _parse(self, content: bytes, media_type: str, fallback_title: str) -> ParsedDocument:
         if media_type == PDF:
             return _from_pdf(content, fallback_title)
         if media_type == DOCX:
+            _check_unpacked_size(content, self._max_unpacked)
             return _from_docx(content, fallback_title)
         text = self._decode(content)
         if not text.strip():
@@ -87,8 +130,7 @@ class Parser:
         if media_type == "text/html":
             return self._from_html(text, fallback_title)
         if media_type == "text/markdown":
-            match = _H1.search(text)
-            return ParsedDocument(match.group(1).strip() if match else fallback_title, text)
+            return ParsedDocument(_first_h1(text) or fallback_title, text)
         if media_type == "text/plain":
             return ParsedDocument(fallback_title, text)
         raise ParseError(ParseErrorCode.UNSUPPORTED, f"cannot parse {media_type}")
@@ -97,7 +139,7 @@ class Parser:
     def _decode(content: bytes) -> str:
         head = content[:8192]
         # A NUL byte or a run of control characters means a binary file behind a text extension;
-        # decoding it would index noise that matches every query.
+        # decoding it would index noise that matches every query. A NUL further on is removed later.
         if b"\x00" in head or len(_CONTROL.findall(head)) > max(8, len(head) // 100):
             raise ParseError(ParseErrorCode.BINARY, "the file looks binary (control bytes in its first 8 KiB)")
         try:
@@ -110,22 +152,85 @@ class Parser:
 
     @staticmethod
     def _from_html(text: str, fallback_title: str) -> ParsedDocument:
-        # Imported lazily: markdownify pulls in BeautifulSoup, which only HTML sources need.
-        from markdownify import markdownify
+        # Imported lazily: BeautifulSoup and markdownify are only for HTML sources.
+        from markdownify import MarkdownConverter
 
-        match = _HTML_TITLE.search(text)
         try:
-            markdown = markdownify(_HTML_NOISE.sub("", text), heading_style="ATX")
-        except Exception as error:  # markdownify raises whatever the HTML parser raised
-            raise ParseError(ParseErrorCode.MALFORMED, f"HTML could not be converted: {error}") from error
+            soup = _html_soup(text)
+            title = re.sub(r"\s+", " ", soup.title.get_text()).strip() if soup.title is not None else ""
+            _strip_html_noise(soup)
+            markdown = MarkdownConverter(heading_style="ATX").convert_soup(soup)
+        except Exception as error:  # markdownify raises whatever the tree walk raised (RecursionError, ...)
+            raise _unreadable(error, "HTML could not be converted") from error
         markdown = re.sub(r"\n{3,}", "\n\n", markdown).strip()
         if not markdown:
             raise ParseError(ParseErrorCode.EMPTY, "the HTML page has no text")
-        title = re.sub(r"\s+", " ", match.group(1)).strip() if match else ""
-        if not title:
-            h1 = _H1.search(markdown)
-            title = h1.group(1).strip() if h1 else fallback_title
-        return ParsedDocument(title, markdown)
+        return ParsedDocument(title or _first_h1(markdown) or fallback_title, markdown)
+
+
+def _html_soup(text: str) -> BeautifulSoup:
+    """The page's tree from lxml (libxml2): linear in the input, where Python's ``html.parser`` is
+    quadratic on runs of unclosed tags or comments."""
+    from bs4 import BeautifulSoup
+
+    return BeautifulSoup(text, "lxml")
+
+
+def _strip_html_noise(soup: BeautifulSoup) -> None:
+    """Remove, in place, what is not the page's text: the noise elements, comments, doctype and
+    processing instructions."""
+    from bs4 import Comment, Declaration, Doctype, ProcessingInstruction
+
+    for element in soup.find_all(_HTML_NOISE):
+        element.decompose()
+    for node in soup.find_all(
+        string=lambda node: isinstance(node, Comment | Declaration | Doctype | ProcessingInstruction)
+    ):
+        node.extract()
+
+
+def _unreadable(error: Exception, what: str) -> ParseError:
+    """``malformed``, or ``parse_memory`` when the library ran out of memory: a ``MemoryError`` in the
+    chain, or libxml2's ``ERR_NO_MEMORY``, which lxml reports as a syntax error."""
+    cause: BaseException | None = error
+    while cause is not None:
+        log = getattr(cause, "error_log", None) or ()
+        if isinstance(cause, MemoryError) or any(getattr(entry, "type_name", "") == "ERR_NO_MEMORY" for entry in log):
+            return ParseError(ParseErrorCode.PARSE_MEMORY, f"{what}: it needs more memory than the parser may use")
+        cause = cause.__cause__ or cause.__context__
+    return ParseError(ParseErrorCode.MALFORMED, f"{what}: {error}")
+
+
+def _first_h1(markdown: str) -> str:
+    """The text of the first ``# heading`` line (its closing ``#`` run removed), or ""; a scan of the
+    lines, linear where a multi-line regex can backtrack on a long line."""
+    for line in markdown.split("\n"):
+        if len(line) > 1 and line[0] == "#" and line[1] in " \t":
+            title = line[1:].strip().rstrip("#").strip()
+            if title:
+                return title
+    return ""
+
+
+def _check_unpacked_size(content: bytes, limit: int) -> None:
+    """``too_large`` for a zip package that inflates past ``limit`` bytes in all, or that has a member
+    compressed suspiciously well; ``malformed`` for no zip at all. The sizes are the declared ones:
+    zipfile never inflates a member past its declared size (and fails its CRC check instead)."""
+    try:
+        members = zipfile.ZipFile(io.BytesIO(content)).infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError) as error:
+        raise ParseError(ParseErrorCode.MALFORMED, f"not a zip package: {error}") from error
+    total = 0
+    for member in members:
+        total += member.file_size
+        ratio = member.file_size / max(member.compress_size, 1)
+        if member.file_size > _RATIO_FLOOR and ratio > _MAX_COMPRESSION_RATIO:
+            raise ParseError(
+                ParseErrorCode.TOO_LARGE,
+                f"{member.filename} inflates {ratio:.0f} times (to {member.file_size} bytes): a decompression bomb",
+            )
+    if total > limit:
+        raise ParseError(ParseErrorCode.TOO_LARGE, f"it inflates to {total} bytes, over the limit of {limit}")
 
 
 def unwrap_lines(text: str) -> str:
@@ -150,7 +255,7 @@ def _from_pdf(content: bytes, fallback_title: str) -> ParsedDocument:
     except ParseError:
         raise
     except Exception as error:  # pypdf raises many types for broken files (PdfReadError, KeyError, ...)
-        raise ParseError(ParseErrorCode.MALFORMED, f"the PDF could not be read: {error}") from error
+        raise _unreadable(error, "the PDF could not be read") from error
     paragraphs = [unwrap_lines(page.strip()) for page in pages]
     markdown = re.sub(r"\n{3,}", "\n\n", "\n\n".join(text for text in paragraphs if text))
     if not markdown.strip():
@@ -162,10 +267,18 @@ def _from_docx(content: bytes, fallback_title: str) -> ParsedDocument:
     """Paragraphs and tables in document order; Word's heading styles become Markdown headings, so
     chunks keep their section path."""
     import docx
+    from docx.enum.style import WD_STYLE_TYPE
     from docx.table import Table
 
     try:
         document = docx.Document(io.BytesIO(content))
+        # Looked up once: python-docx's ``Paragraph.style`` scans every style of the document for each
+        # paragraph, minutes for a long one.
+        default_style = document.styles.default(WD_STYLE_TYPE.PARAGRAPH)
+        default_name = default_style.name or "" if default_style is not None else ""
+        style_names = {
+            style.style_id: style.name or "" for style in document.styles if style.type == WD_STYLE_TYPE.PARAGRAPH
+        }
         blocks: list[str] = []
         for block in document.iter_inner_content():
             if isinstance(block, Table):
@@ -178,23 +291,21 @@ def _from_docx(content: bytes, fallback_title: str) -> ParsedDocument:
             text = block.text.strip()
             if not text:
                 continue
-            style = block.style.name if block.style is not None else ""
-            level = _HEADING_STYLE.match(style or "")
+            style_id = block._p.style  # the paragraph's w:pStyle, None for the default style
+            style = style_names.get(style_id, default_name) if style_id is not None else default_name
+            level = _HEADING_STYLE.match(style)
             if style == "Title":
                 blocks.append(f"# {text}")
             elif level:
                 blocks.append(f"{'#' * int(level.group(1))} {text}")
-            elif (style or "").startswith("List"):
+            elif style.startswith("List"):
                 blocks.append(f"- {text}")
             else:
                 blocks.append(text)
         title = (document.core_properties.title or "").strip()
     except Exception as error:  # not a zip, not a Word package, a broken part: python-docx raises each its way
-        raise ParseError(ParseErrorCode.MALFORMED, f"the Word document could not be read: {error}") from error
+        raise _unreadable(error, "the Word document could not be read") from error
     markdown = "\n\n".join(blocks)
     if not markdown.strip():
         raise ParseError(ParseErrorCode.EMPTY, "the Word document has no text")
-    if not title:
-        h1 = _H1.search(markdown)
-        title = h1.group(1).strip() if h1 else fallback_title
-    return ParsedDocument(title, markdown)
+    return ParsedDocument(title or _first_h1(markdown) or fallback_title, markdown)

@@ -14,6 +14,7 @@ from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.failures import StageRetry
 from ragstream.parsing import Parser
+from ragstream.parsing_pool import ParserPool
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
@@ -113,6 +114,12 @@ def create_rephraser(settings: Settings) -> QueryRephraser | None:
 async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
     pool = await connect_pool(dsn)
     embedder = create_embedder(settings.embedding)
+    parsers = ParserPool(
+        Parser(settings.max_document_bytes),
+        workers=settings.parse_workers,
+        timeout_s=settings.parse_timeout_s,
+        memory_mb=settings.parse_memory_mb,
+    )
     spaces = ActiveSpace(SpaceStore(pool), settings.embedding, embedder)
     reranker: Reranker | None = None
     rephraser: QueryRephraser | None = None
@@ -131,7 +138,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
             spaces=spaces,
             chunker=ChunkService(
                 store,
-                Parser(settings.max_document_bytes),
+                parsers,
                 embedder,
                 # Connections without a chunking config of their own get the settings' Markdown chunker.
                 MarkdownChunking(size=chunking.size, overlap=chunking.overlap),
@@ -166,5 +173,6 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
             if client is not None:
                 await client.aclose()
         await spaces.aclose()
+        await parsers.aclose()
         await embedder.aclose()
         await pool.close()

@@ -172,6 +172,25 @@ class Settings(BaseSettings):
     max_document_bytes: Annotated[
         int, Field(title="Largest document accepted", description="Bigger ones fail with 'too_large'.")
     ] = 16 * 1024 * 1024
+    parse_timeout_s: Annotated[
+        float,
+        Field(
+            title="Seconds one document may take to parse",
+            description="A parse over it is stopped and the document fails with 'parse_timeout'.",
+            gt=0,
+        ),
+    ] = 60
+    parse_memory_mb: Annotated[
+        int,
+        Field(
+            title="Address space of a parser worker in MiB",
+            description="A document that needs more fails with 'parse_memory'.",
+            ge=256,
+        ),
+    ] = 1024
+    parse_workers: Annotated[
+        int, Field(title="Parser worker processes", description="Documents parsed at once per process.", ge=1)
+    ] = 2
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
     # Defaults tuned on InsuranceQA v2 `valid`, English and Chinese together (docs/retrieval-quality.md).
     fusion: Annotated[

@@ -21,6 +21,7 @@ from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
 from ragstream.reindex import ReindexBusy, UnknownConnection
 from ragstream.settings import EmbeddingProvider
+from ragstream.storable import Storable
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
 __all__ = [
@@ -133,7 +134,7 @@ class ConnectionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", title="New connection")
 
     platform: Annotated[Platform, Field(title="Platform")]
-    name: Annotated[str, Field(title="Display name", min_length=1, max_length=200)]
+    name: Annotated[str, Field(title="Display name", min_length=1, max_length=200), Storable]
     config: Annotated[ConnectionConfig, Field(title="Platform settings")] = ConnectionConfig()
     credentials: Annotated[
         Credentials | None,
@@ -172,7 +173,7 @@ class ConnectionPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Connection change")
 
-    name: Annotated[str | None, Field(title="Display name", min_length=1, max_length=200)] = None
+    name: Annotated[str | None, Field(title="Display name", min_length=1, max_length=200), Storable] = None
     config: Annotated[
         ConnectionConfig | None, Field(title="Platform settings", description="Replaces the top-level keys given.")
     ] = None

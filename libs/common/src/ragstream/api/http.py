@@ -18,6 +18,7 @@ from ragstream.pipeline import SyncProgress
 from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
 from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
+from ragstream.storable import Storable, StorableStr
 
 __all__ = ["create_app"]
 
@@ -86,14 +87,18 @@ def create_app(
         @search_route
         async def read_document(
             http: Request,
-            document_id: str,
+            document_id: StorableStr,
             conversation_id: Annotated[
-                str | None, Query(max_length=200, description="Keeps the citation number of earlier searches.")
+                str | None,
+                Query(max_length=200, description="Keeps the citation number of earlier searches."),
+                Storable,
             ] = None,
             user: Annotated[
-                str | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks.")
+                str | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks."), Storable
             ] = None,
-            groups: Annotated[list[str], Query(description="Caller's groups: repeated or comma-separated.")] = [],  # noqa: B006
+            groups: Annotated[
+                list[StorableStr], Query(description="Caller's groups: repeated or comma-separated.")
+            ] = [],  # noqa: B006
             max_chars: Annotated[int, Query(ge=1, le=MAX_CALL_CHARS, description="Text budget.")] = MAX_CALL_CHARS,
         ) -> DocumentRead:
             """The document's text (chunks in order, cut to the budget) and its source-card fields,

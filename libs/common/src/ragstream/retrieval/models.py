@@ -6,16 +6,18 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from ragstream.storable import Storable, StorableStr
+
 __all__ = ["ChatTurn", "MetadataValue", "Principal", "SearchFilters", "SearchRequest", "SearchResponse", "SearchResult"]
 
-MetadataValue = str | int | float | bool
+MetadataValue = StorableStr | int | float | bool
 
 
 class Principal(BaseModel):
     """Who is asking; a chunk whose ACL names none of these principals is invisible to them."""
 
-    user: Annotated[str, Field(title="User id", min_length=1)]
-    groups: Annotated[list[str], Field(title="Group ids")] = []
+    user: Annotated[str, Field(title="User id", min_length=1), Storable]
+    groups: Annotated[list[StorableStr], Field(title="Group ids")] = []
 
     def principals(self) -> list[str]:
         return [f"user:{self.user}", *(f"group:{group}" for group in self.groups)]
@@ -25,24 +27,25 @@ class SearchFilters(BaseModel):
     """Scope of a search; every list given narrows it to its values (an empty one matches nothing), a
     missing one does not."""
 
-    connection_ids: Annotated[list[str] | None, Field(title="Only these connections")] = None
-    platforms: Annotated[list[str] | None, Field(title="Only these platforms", description="folder, feishu, ...")] = (
-        None
-    )
-    knowledge_bases: Annotated[list[str] | None, Field(title="Only these knowledge bases")] = None
-    sources: Annotated[list[str] | None, Field(title="Only these sources", description="Paths or URLs.")] = None
+    connection_ids: Annotated[list[StorableStr] | None, Field(title="Only these connections")] = None
+    platforms: Annotated[
+        list[StorableStr] | None, Field(title="Only these platforms", description="folder, feishu, ...")
+    ] = None
+    knowledge_bases: Annotated[list[StorableStr] | None, Field(title="Only these knowledge bases")] = None
+    sources: Annotated[list[StorableStr] | None, Field(title="Only these sources", description="Paths or URLs.")] = None
     metadata: Annotated[
-        dict[str, MetadataValue] | None, Field(title="Metadata that must match", description="All pairs must match.")
+        dict[StorableStr, MetadataValue] | None,
+        Field(title="Metadata that must match", description="All pairs must match."),
     ] = None
 
 
 class ChatTurn(BaseModel):
     role: Literal["user", "assistant"]
-    content: Annotated[str, Field(max_length=20_000)]
+    content: Annotated[str, Field(max_length=20_000), Storable]
 
 
 class SearchRequest(BaseModel):
-    query: Annotated[str, Field(title="Query", min_length=1, max_length=4000)]
+    query: Annotated[str, Field(title="Query", min_length=1, max_length=4000), Storable]
     top_k: Annotated[int, Field(title="Results to return", ge=1, le=30)] = 10
     filters: Annotated[SearchFilters, Field(title="Scope")] = SearchFilters()
     principal: Annotated[
@@ -51,6 +54,7 @@ class SearchRequest(BaseModel):
     conversation_id: Annotated[
         str | None,
         Field(title="Conversation", description="Keeps citation numbers stable across calls.", max_length=200),
+        Storable,
     ] = None
     history: Annotated[
         list[ChatTurn], Field(title="Conversation so far", description="Used by the optional query rephraser.")

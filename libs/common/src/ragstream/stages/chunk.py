@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from ragstream.chunking import Chunker, ChunkingConfig, create_chunker, parse_chunking
 from ragstream.embedding.base import Embedder
 from ragstream.messages import ChunkPayload, DocumentChanged, DocumentChunked
-from ragstream.parsing import ParseError, ParseErrorCode, Parser
+from ragstream.parsing import ParseError, ParseErrorCode
+from ragstream.parsing_pool import ParserPool
 from ragstream.storage.documents import DocumentStore
 
 __all__ = ["ChunkService"]
@@ -23,7 +24,8 @@ class ChunkService:
     applies to documents chunked from then on; documents already indexed keep their chunks until
     they change or a re-chunk run rebuilds them. Batches carry the connection's index version read
     with the config, so the indexer can refuse chunks of a config a re-chunk switch has replaced.
-    One chunker is built and warmed up per distinct config and kept.
+    One chunker is built and warmed up per distinct config and kept. Parsing runs in the pool's
+    worker processes, each document within the time and memory budget of the settings.
 
     Returns no batches when this version is already committed or superseded (a redelivery, or a
     replay that a newer change overtook): the work would be thrown away by the indexer anyway. Raises ``ParseError``
@@ -31,7 +33,7 @@ class ChunkService:
     """
 
     def __init__(
-        self, store: DocumentStore, parser: Parser, embedder: Embedder, default: ChunkingConfig, batch_chunks: int
+        self, store: DocumentStore, parser: ParserPool, embedder: Embedder, default: ChunkingConfig, batch_chunks: int
     ) -> None:
         self._store = store
         self._parser = parser
@@ -69,7 +71,7 @@ class ChunkService:
         self, content: bytes, media_type: str, title: str, chunker: Chunker
     ) -> tuple[str, list[ChunkPayload]]:
         """Parse and chunk one document's content: its parsed title and its chunks (never none)."""
-        parsed = await asyncio.to_thread(self._parser.run, content, media_type, title)
+        parsed = await self._parser.run(content, media_type, title)  # in a worker process, with its budget
         chunks = await chunker.run_async(parsed)
         if not chunks:
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text to index")
