@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import uvicorn
 from fastapi import HTTPException
 
+from ragstream.api.admission import SearchAdmission
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
@@ -27,6 +30,7 @@ from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.database import ping
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
@@ -56,7 +60,8 @@ async def serve(
             await runs.start(connection_id, "cli")
 
     async def ready() -> bool:
-        return bool(await runtime.pool.fetchval("SELECT true"))
+        await ping(runtime.pool, settings.readiness_timeout_s)
+        return True
 
     def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
         """A connection created with RAG on, or switched back on, is synced in full right away."""
@@ -80,6 +85,7 @@ async def serve(
             failed_again=replayed.failed,
         )
 
+    admission = SearchAdmission.from_settings(settings)
     connections = ConnectionStore(runtime.pool, cipher)
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     reindexer = runtime.reindexer()
@@ -109,8 +115,13 @@ async def serve(
             reindex_router(reindexer, SpaceStore(runtime.pool)),
         ],
         title="ragstream",
+        admission=admission,
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=round(settings.shutdown_timeout_s)
+        )
+    )
     background = [asyncio.create_task(runner.serve())]
     if settings.scheduler_enabled:
         background.append(
@@ -118,8 +129,9 @@ async def serve(
                 Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
             )
         )
+    _keep_cleanup_after_sigterm()
     try:
-        async with _grpc(runtime, host, grpc_port, ready):
+        async with _grpc(runtime, host, grpc_port, ready, admission):
             await server.serve()
     finally:
         for task in background:
@@ -130,11 +142,24 @@ async def serve(
         await rechunker.aclose()
 
 
+def _keep_cleanup_after_sigterm() -> None:
+    """uvicorn handles SIGTERM while it serves, then raises it again once it has shut down; with the
+    default action that kills the process before the gRPC server, the pool and the embedded
+    PostgreSQL are stopped. Ignored from here on, the shutdown the signal started runs to its end."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 @contextlib.asynccontextmanager
-async def _grpc(runtime: Runtime, host: str, port: int, ready: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
+async def _grpc(
+    runtime: Runtime, host: str, port: int, ready: Callable[[], Awaitable[bool]], admission: SearchAdmission
+) -> AsyncIterator[None]:
     """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
     if not port:
         yield
         return
-    async with grpc_server(lambda: runtime.retriever, host=host, port=port, ready=ready):
+    grace_s = runtime.settings.shutdown_timeout_s
+    async with grpc_server(
+        lambda: runtime.retriever, host=host, port=port, ready=ready, admission=admission, grace_s=grace_s
+    ):
         yield

@@ -8,12 +8,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
+from ragstream.api.admission import SearchAdmission
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
+from ragstream.storage.database import ping
 from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["create_app"]
@@ -24,14 +26,20 @@ def create_app() -> FastAPI:
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}
 
+    admission = SearchAdmission.from_settings(settings)
+
     async def ready() -> bool:
         runtime = state.get("runtime")
-        return runtime is not None and bool(await runtime.pool.fetchval("SELECT true"))
+        if runtime is None:
+            return False
+        await ping(runtime.pool, settings.readiness_timeout_s)
+        return True
 
     app = create_search_app(
         lambda: state["runtime"].retriever if "runtime" in state else None,
         ready=ready,
         reader=lambda: readers.get("reader"),
+        admission=admission,
     )
 
     @asynccontextmanager
@@ -48,7 +56,12 @@ def create_app() -> FastAPI:
             if settings.grpc_port:
                 await stack.enter_async_context(
                     grpc_server(
-                        lambda: runtime.retriever, host=settings.grpc_host, port=settings.grpc_port, ready=ready
+                        lambda: runtime.retriever,
+                        host=settings.grpc_host,
+                        port=settings.grpc_port,
+                        ready=ready,
+                        admission=admission,
+                        grace_s=settings.shutdown_timeout_s,
                     )
                 )
             yield
