@@ -25,10 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -180,12 +181,18 @@ def _wait_indexed(server: Server, timeout_s: float) -> None:
             raise RuntimeError(f"ragstream up exited ({server.process.returncode}):\n{server.log.read_text()[-3000:]}")
         try:
             answer = httpx.post(f"{server.url}/v1/search", json={"query": QUERIES[0]}, timeout=10)
-            if answer.status_code == 200 and answer.json()["results"]:
+            syncs = httpx.get(f"{server.url}/v1/syncs", timeout=10).json().values()
+            # Searched while the first sync still embeds, the levels would measure the ingest too.
+            if answer.status_code == 200 and answer.json()["results"] and _finished(syncs):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"ragstream up did not index the knowledge base within {timeout_s} s")
+
+
+def _finished(syncs: Iterable[dict[str, Any]]) -> bool:
+    return all(sync["listing_done"] and sync["done"] >= sync["listed"] for sync in syncs)
 
 
 def stop(server: Server, timeout_s: float) -> tuple[float, int | None]:

@@ -37,6 +37,8 @@ from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["serve"]
 
+_KEEP_ALIVE_S = 20
+
 
 async def serve(
     runtime: Runtime, sources: list[Path], host: str, port: int, sync_interval: float, *, grpc_port: int
@@ -117,9 +119,17 @@ async def serve(
         title="ragstream",
         admission=admission,
     )
+    # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
+    # equal timeouts a client reusing a connection races the server closing it, and a busy client,
+    # slow to send its next request, gets the connection reset.
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=round(settings.shutdown_timeout_s)
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_keep_alive=_KEEP_ALIVE_S,
+            timeout_graceful_shutdown=round(settings.shutdown_timeout_s),
         )
     )
     background = [asyncio.create_task(runner.serve())]
