@@ -65,7 +65,7 @@ class SearchLimitsSettings(BaseSettings):
     ] = None
     wait_timeout_s: Annotated[
         float, Field(title="Longest wait for a turn", description="Then 503 with Retry-After.", gt=0)
-    ] = 10.0
+    ] = 30.0
     statement_timeout_s: Annotated[
         float,
         Field(
