@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, HTTPException
 
+from ragstream.api.admission import SearchAdmission
 from ragstream.api.auth import Access
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
@@ -30,11 +33,14 @@ from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.database import ping
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["api_app", "serve"]
+
+_KEEP_ALIVE_S = 20
 
 
 async def serve(
@@ -72,8 +78,21 @@ async def serve(
 
     reindexer = runtime.reindexer()
     rechunker = runtime.rechunker()
-    app = api_app(runtime, runs, runner, reindexer, rechunker, access=access)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    admission = SearchAdmission.from_settings(settings)
+    app = api_app(runtime, runs, runner, reindexer, rechunker, access=access, admission=admission)
+    # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
+    # equal timeouts a client reusing a connection races the server closing it, and a busy client,
+    # slow to send its next request, gets the connection reset.
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_keep_alive=_KEEP_ALIVE_S,
+            timeout_graceful_shutdown=round(settings.shutdown_timeout_s),
+        )
+    )
     background = [asyncio.create_task(runner.serve())]
     if settings.scheduler_enabled:
         background.append(
@@ -81,8 +100,9 @@ async def serve(
                 Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
             )
         )
+    _keep_cleanup_after_sigterm()
     try:
-        async with _grpc(runtime, host, grpc_port, access):
+        async with _grpc(runtime, host, grpc_port, access, admission):
             await server.serve()
     finally:
         for task in background:
@@ -93,8 +113,18 @@ async def serve(
         await rechunker.aclose()
 
 
+def _keep_cleanup_after_sigterm() -> None:
+    """uvicorn handles SIGTERM while it serves, then raises it again once it has shut down; with the
+    default action that kills the process before the gRPC server, the pool and the embedded
+    PostgreSQL are stopped. Ignored from here on, the shutdown the signal started runs to its end."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 async def _ready(runtime: Runtime) -> bool:
-    return bool(await runtime.pool.fetchval("SELECT true"))
+    """Raises ``DatabaseBusy`` (or a connection error) when the pool cannot serve in time."""
+    await ping(runtime.pool, runtime.settings.readiness_timeout_s)
+    return True
 
 
 def api_app(
@@ -105,6 +135,7 @@ def api_app(
     rechunker: Rechunker,
     *,
     access: Access,
+    admission: SearchAdmission | None = None,
 ) -> FastAPI:
     """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
     re-chunking and re-indexing."""
@@ -163,11 +194,14 @@ def api_app(
         title="ragstream",
         access=access,
         max_request_bytes=runtime.settings.max_request_bytes,
+        admission=admission,
     )
 
 
 @contextlib.asynccontextmanager
-async def _grpc(runtime: Runtime, host: str, port: int, access: Access) -> AsyncIterator[None]:
+async def _grpc(
+    runtime: Runtime, host: str, port: int, access: Access, admission: SearchAdmission
+) -> AsyncIterator[None]:
     """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
     if not port:
         yield
@@ -183,5 +217,7 @@ async def _grpc(runtime: Runtime, host: str, port: int, access: Access) -> Async
         ready=ready,
         access=access,
         max_receive_bytes=runtime.settings.max_request_bytes,
+        admission=admission,
+        grace_s=runtime.settings.shutdown_timeout_s,
     ):
         yield

@@ -26,7 +26,7 @@ from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
 from ragstream.storage.citations import CitationStore
-from ragstream.storage.database import connect_pool
+from ragstream.storage.database import close_pool, connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.rechunk import RechunkStore
@@ -112,7 +112,7 @@ def create_rephraser(settings: Settings) -> QueryRephraser | None:
 
 @asynccontextmanager
 async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
-    pool = await connect_pool(dsn)
+    pool = await connect_pool(dsn, max_size=settings.db_pool_size, acquire_timeout_s=settings.db_pool_timeout_s)
     embedder = create_embedder(settings.embedding)
     parsers = ParserPool(
         Parser(settings.max_document_bytes),
@@ -153,6 +153,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                     bm25_k1=settings.bm25_k1,
                     bm25_b=settings.bm25_b,
                     bigram_weight=settings.bm25_bigram_weight,
+                    statement_timeout_s=settings.search_limits.statement_timeout_s,
                 ),
                 embedder,
                 CitationStore(pool),
@@ -175,4 +176,4 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
         await spaces.aclose()
         await parsers.aclose()
         await embedder.aclose()
-        await pool.close()
+        await close_pool(pool, settings.shutdown_timeout_s)

@@ -21,6 +21,7 @@ __all__ = [
     "EmbeddingProvider",
     "EmbeddingSettings",
     "Role",
+    "SearchLimitsSettings",
     "Settings",
     "StageRetrySettings",
 ]
@@ -126,6 +127,38 @@ class StageRetrySettings(BaseSettings):
         float, Field(title="First wait between attempts", description="Doubles on each retry, with jitter.", ge=0)
     ] = 1.0
     backoff_max_s: Annotated[float, Field(title="Longest wait between attempts", ge=0)] = 30.0
+
+
+class SearchLimitsSettings(BaseSettings):
+    """How many searches run at once (HTTP and gRPC together), how many may wait for a turn and how
+    long, and how long one search statement may take. Unset limits follow the pool size."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_SEARCH_")
+
+    max_in_flight: Annotated[
+        int | None,
+        Field(title="Searches running at once", description="Unset: the pool size minus 2 (at least 1).", ge=1),
+    ] = None
+    max_waiting: Annotated[
+        int | None,
+        Field(
+            title="Searches waiting for a turn",
+            description="Beyond them a search is answered 503 with Retry-After at once. Unset: 16 per running one.",
+            ge=0,
+        ),
+    ] = None
+    wait_timeout_s: Annotated[
+        float, Field(title="Longest wait for a turn", description="Then 503 with Retry-After.", gt=0)
+    ] = 30.0
+    statement_timeout_s: Annotated[
+        float,
+        Field(
+            title="Longest search statement",
+            description="PostgreSQL statement_timeout (and idle-in-transaction timeout) of a search's snapshot; "
+            "exceeded: 503 with Retry-After.",
+            gt=0,
+        ),
+    ] = 10.0
 
 
 EmbeddingProvider = Literal["local", "onnx", "dashscope", "openai"]
@@ -325,6 +358,33 @@ class Settings(BaseSettings):
             ge=1024,
         ),
     ] = 1024 * 1024
+    db_pool_size: Annotated[int, Field(title="Connections in the database pool", description="Per process.", ge=2)] = 8
+    db_pool_timeout_s: Annotated[
+        float,
+        Field(
+            title="Longest wait for a pool connection",
+            description="Every acquire; exceeded, a search or API call answers 503 with Retry-After.",
+            gt=0,
+        ),
+    ] = 5.0
+    readiness_timeout_s: Annotated[
+        float,
+        Field(
+            title="Database check of /readyz and gRPC health",
+            description="Longest wait for a pool connection and its round trip; exceeded, not ready.",
+            gt=0,
+        ),
+    ] = 1.0
+    shutdown_timeout_s: Annotated[
+        float,
+        Field(
+            title="Graceful shutdown",
+            description="On SIGTERM, requests in flight get this long; then they are cancelled and the "
+            "database connections still in use are closed.",
+            gt=0,
+        ),
+    ] = 10.0
+    search_limits: SearchLimitsSettings = Field(default_factory=SearchLimitsSettings)
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)

@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
+from ragstream.api.admission import SearchAdmission
 from ragstream.api.auth import Access
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
@@ -15,6 +16,7 @@ from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
+from ragstream.storage.database import ping
 from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["create_app"]
@@ -27,9 +29,14 @@ def create_app() -> FastAPI:
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}
 
+    admission = SearchAdmission.from_settings(settings)
+
     async def ready() -> bool:
         runtime = state.get("runtime")
-        return runtime is not None and bool(await runtime.pool.fetchval("SELECT true"))
+        if runtime is None:
+            return False
+        await ping(runtime.pool, settings.readiness_timeout_s)
+        return True
 
     app = create_search_app(
         lambda: state["runtime"].retriever if "runtime" in state else None,
@@ -37,6 +44,7 @@ def create_app() -> FastAPI:
         reader=lambda: readers.get("reader"),
         access=access,
         max_request_bytes=settings.max_request_bytes,
+        admission=admission,
     )
 
     @asynccontextmanager
@@ -59,6 +67,8 @@ def create_app() -> FastAPI:
                         ready=ready,
                         access=access,
                         max_receive_bytes=settings.max_request_bytes,
+                        admission=admission,
+                        grace_s=settings.shutdown_timeout_s,
                     )
                 )
             yield

@@ -11,6 +11,7 @@ the key goes in the ``authorization`` metadata (``Bearer SECRET``); health and r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -22,10 +23,12 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from typing_extensions import override
 
+from ragstream.api.admission import Overloaded, SearchAdmission
 from ragstream.api.auth import Access, Caller
 from ragstream.metrics import SEARCH_LATENCY
 from ragstream.retrieval.models import MetadataValue, SearchRequest, SearchResponse
 from ragstream.settings import Role
+from ragstream.storage.database import DatabaseBusy
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 __all__ = [
@@ -120,10 +123,13 @@ def search_response(response: SearchResponse) -> retrieval_pb2.SearchResponse:
 
 class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
     """``Search`` and ``SearchBatch`` over the retriever that ``retriever`` returns (``None`` while the
-    store is still opening: UNAVAILABLE, as the HTTP API's 503)."""
+    store is still opening: UNAVAILABLE, as the HTTP API's 503). With ``admission`` (the HTTP API's
+    limiter), a call beyond it is RESOURCE_EXHAUSTED; a database without a free connection in time
+    is UNAVAILABLE. Both carry ``grpc-retry-pushback-ms``, like the HTTP API's Retry-After."""
 
-    def __init__(self, retriever: Callable[[], Searcher | None]) -> None:
+    def __init__(self, retriever: Callable[[], Searcher | None], admission: SearchAdmission | None = None) -> None:
         self._retriever = retriever
+        self._admission = admission
 
     @override
     async def Search(self, request: retrieval_pb2.SearchRequest, context: Context) -> retrieval_pb2.SearchResponse:
@@ -164,15 +170,23 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         # deadline even where that cancellation comes late, and answers with the proper status.
         remaining: float | None = context.time_remaining()
         deadline = asyncio.timeout(remaining)
+        admission = self._admission
         responses: list[SearchResponse] = []
         try:
-            async with deadline:
+            # A batch takes one turn: its searches run one after the other.
+            async with deadline, admission.admit() if admission is not None else contextlib.nullcontext():
                 for request in requests:
                     with SEARCH_LATENCY.time():
                         responses.append(await retriever.search(request))
         except Exception as error:
             if isinstance(error, TimeoutError) and deadline.expired():
                 failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the search finished")
+            elif isinstance(error, Overloaded):
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.retry_after_s * 1000)),))
+                failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many searches at once")
+            elif isinstance(error, DatabaseBusy):
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
+                failure = (grpc.StatusCode.UNAVAILABLE, "the database is busy")
             else:  # a timeout of the search's own (a database call) is a failure like any other
                 # The caller learns that it failed, not how: the log has the traceback.
                 logger.exception("gRPC search failed")
@@ -270,6 +284,7 @@ async def grpc_server(
     grace_s: float = 5.0,
     access: Access | None = None,
     max_receive_bytes: int = 1024 * 1024,
+    admission: SearchAdmission | None = None,
 ) -> AsyncIterator[int]:
     """Serve the Retrieval service, health checking and reflection on ``host:port`` (port 0: a free
     one) until the block exits, and yield the bound port. A port that cannot be bound raises.
@@ -277,14 +292,15 @@ async def grpc_server(
     Health (for the server "" and for ``ragstream.v1.Retrieval``) follows ``ready`` like the HTTP
     ``/readyz``, so a Kubernetes ``grpc`` readiness probe means the same; it is NOT_SERVING during the
     ``grace_s`` in which calls in flight may finish. Calls go through ``access`` (none: every call
-    allowed), and a message over ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED)."""
+    allowed), and a message over ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED). Searches take a
+    turn from ``admission``, shared with the HTTP API."""
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start and silently take
     # a share of the calls (another `ragstream up` with another store). Off, binding it fails instead.
     server = grpc.aio.server(
         interceptors=[AccessInterceptor(access or Access.open())],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_receive_bytes)],
     )
-    retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever), server)
+    retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever, admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

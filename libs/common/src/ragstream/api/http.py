@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
+import asyncpg
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ragstream.api.admission import Overloaded, SearchAdmission
 from ragstream.api.auth import Access, check_principal, protect, search_route
 from ragstream.metrics import SEARCH_LATENCY
 from ragstream.pipeline import SyncProgress
@@ -19,6 +22,7 @@ from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, Searc
 from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
 from ragstream.storable import Storable, StorableStr
+from ragstream.storage.database import DatabaseBusy
 
 __all__ = ["create_app"]
 
@@ -33,12 +37,16 @@ def create_app(
     title: str = "ragstream retriever",
     access: Access | None = None,
     max_request_bytes: int = 1024 * 1024,
+    admission: SearchAdmission | None = None,
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
     app starts before the store is open; until then search and reads answer 503 and readiness is false.
     ``routers`` add the control plane where the process has one (connections, replays).
     Every route is behind ``access`` (see :mod:`ragstream.api.auth`); without one, every call is
-    allowed, as ``ragstream up`` on loopback without keys."""
+    allowed, as ``ragstream up`` on loopback without keys.
+    ``admission`` limits the searches running and waiting (shared with the gRPC API); beyond it, and
+    when the database gives no connection in time, a call answers 503 with ``Retry-After``.
+    ``ready`` raises (or answers false) when the database cannot serve: ``/readyz`` says why."""
     app = FastAPI(title=title, version="1")
     protect(app, access or Access.open(), max_request_bytes=max_request_bytes)
     for router in routers:
@@ -51,6 +59,18 @@ def create_app(
         problems = [{key: value for key, value in problem.items() if key != "input"} for problem in error.errors()]
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(problems)})
 
+    @app.exception_handler(DatabaseBusy)
+    async def database_busy(request: Request, error: DatabaseBusy) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": "the database is busy"}, headers={"Retry-After": "1"})
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, error: Overloaded) -> JSONResponse:
+        return JSONResponse(
+            status_code=503,
+            content={"detail": "too many searches at once"},
+            headers={"Retry-After": str(error.retry_after_s)},
+        )
+
     @app.post("/v1/search", response_model=SearchResponse)
     @search_route
     async def search(request: SearchRequest, http: Request) -> SearchResponse:
@@ -58,8 +78,9 @@ def create_app(
         current = retriever()
         if current is None:
             raise HTTPException(status_code=503, detail="the index is still starting")
-        with SEARCH_LATENCY.time():
-            return await current.search(request)
+        async with admission.admit() if admission is not None else contextlib.nullcontext():
+            with SEARCH_LATENCY.time():
+                return await current.search(request)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -67,10 +88,16 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz(response: Response) -> dict[str, str]:
-        if await ready():
-            return {"status": "ready"}
+        try:
+            if await ready():
+                return {"status": "ready"}
+            status = {"status": "starting"}
+        except DatabaseBusy as error:
+            status = {"status": "unavailable", "reason": str(error)}
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            status = {"status": "unavailable", "reason": "the database cannot be reached"}
         response.status_code = 503
-        return {"status": "starting"}
+        return status
 
     @app.get("/metrics")
     async def metrics() -> Response:

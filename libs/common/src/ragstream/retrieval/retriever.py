@@ -124,14 +124,17 @@ class HybridRetriever:
 
         The snapshot says which spaces the connections in scope use; the query is embedded once per
         model: from the start by the models the cache expects, by any other once the snapshot named
-        it, while the keyword leg runs."""
-        embeddings = {
-            embedder.model_key: asyncio.create_task(self._embed(embedder, query))
-            for embedder in await self._expected_embedders(connection_ids)
-        }
+        it, while the keyword leg runs.
+
+        The cached layout is read before the snapshot, never in it: the snapshot holds the search's
+        one pool connection, and a cache refresh needs another (with every connection held by a
+        snapshot waiting for one more, the pool would never give any back)."""
+        expected = await self._expected_embedders(connection_ids)
+        active = (await self._spaces.current()).model_key if self._spaces is not None else None
+        embeddings = {embedder.model_key: asyncio.create_task(self._embed(embedder, query)) for embedder in expected}
         try:
             async with self._store.snapshot() as store:
-                spaces = await self._searched_spaces(store, connection_ids)
+                spaces = await self._searched_spaces(store, connection_ids, active)
                 for space in spaces:
                     if space.model_key not in embeddings:
                         embedder = self._embedder_of(space)
@@ -167,15 +170,18 @@ class HybridRetriever:
         spaces = [await self._spaces.for_connection(connection) for connection in connection_ids]
         return list({space.model_key: space.embedder for space in spaces}.values())
 
-    async def _searched_spaces(self, store: SearchStore, connection_ids: list[str] | None) -> list[SearchedSpace]:
+    async def _searched_spaces(
+        self, store: SearchStore, connection_ids: list[str] | None, cached_active: str | None
+    ) -> list[SearchedSpace]:
         """The spaces to search as the snapshot sees them: those of the connections in scope, or
-        without ``spaces`` the embedder's own (none when nothing was ever embedded)."""
+        without ``spaces`` the embedder's own (none when nothing was ever embedded). ``cached_active``:
+        the active space's model as the cache had it before the snapshot."""
         if self._spaces is None:
             table = await store.embedding_table(self._embedder.model_key)
             return [SearchedSpace(self._embedder.model_key, table, None, True)] if table is not None else []
         spaces = await store.searched_spaces(connection_ids)
         active = next((space for space in spaces if space.active), None)
-        if active is not None and active.model_key != (await self._spaces.current()).model_key:
+        if active is not None and active.model_key != cached_active:
             self._spaces.invalidate()  # a re-index switched since the cache was read
         return spaces
 

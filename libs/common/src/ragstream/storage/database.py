@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from importlib import resources
+from typing import Any
 
 import asyncpg
+from asyncpg.pool import PoolAcquireContext
 from pgvector.asyncpg import register_vector
 
-__all__ = ["apply_migrations", "connect_pool"]
+__all__ = ["DatabaseBusy", "apply_migrations", "close_pool", "connect_pool", "ping"]
+
+logger = logging.getLogger(__name__)
 
 # Any constant works; it only has to be the same in every process that migrates this database.
 _MIGRATION_LOCK = 0x72616773
@@ -17,12 +23,79 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
     await register_vector(connection)
 
 
-async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 8) -> asyncpg.Pool:
-    """A pool whose connections know the ``vector`` type; migrations run first so that it exists."""
+class DatabaseBusy(TimeoutError):
+    """The database could not serve in time: no pool connection within the acquire timeout, or a
+    statement cancelled by its ``statement_timeout``. Transient: the API answers 503 with Retry-After."""
+
+
+class _BoundedAcquire(PoolAcquireContext):  # type: ignore[misc]  # asyncpg ships no types
+    """``Pool.acquire`` whose timeout becomes :class:`DatabaseBusy`."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await super().__aenter__()
+        except TimeoutError:
+            raise DatabaseBusy(f"no database connection free within {self.timeout} s") from None
+
+    def __await__(self) -> Any:
+        return self.__aenter__().__await__()
+
+
+class _BoundedPool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no types
+    """A pool on which every wait for a connection has a timeout, ``acquire_timeout_s`` unless the
+    caller gives its own. ``Pool.fetch``, ``fetchval``, ``execute`` and the rest acquire through
+    ``acquire`` too, so none of them can wait for ever on an exhausted pool."""
+
+    __slots__ = ("_acquire_timeout_s",)
+
+    def __init__(self, dsn: str, *, acquire_timeout_s: float, **options: Any) -> None:
+        super().__init__(dsn, **options)
+        self._acquire_timeout_s = acquire_timeout_s
+
+    def acquire(self, *, timeout: float | None = None) -> PoolAcquireContext:
+        return _BoundedAcquire(self, self._acquire_timeout_s if timeout is None else timeout)
+
+
+async def connect_pool(
+    dsn: str, *, min_size: int = 1, max_size: int = 8, acquire_timeout_s: float = 5.0
+) -> asyncpg.Pool:
+    """A pool whose connections know the ``vector`` type, and whose every acquire waits at most
+    ``acquire_timeout_s`` (then :class:`DatabaseBusy`); migrations run first so that the type exists."""
     await apply_migrations(dsn)
-    pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection)
-    assert pool is not None
+    # asyncpg.create_pool with its defaults, but the pool class that bounds every acquire.
+    pool = _BoundedPool(
+        dsn,
+        acquire_timeout_s=acquire_timeout_s,
+        min_size=min_size,
+        max_size=max_size,
+        max_queries=50_000,
+        max_inactive_connection_lifetime=300.0,
+        init=_init_connection,
+        loop=None,
+        connection_class=asyncpg.Connection,
+        record_class=asyncpg.Record,
+    )
+    await pool
     return pool
+
+
+async def ping(pool: asyncpg.Pool, timeout_s: float) -> None:
+    """A round trip to the database through the pool, within ``timeout_s`` for the acquire and the
+    statement each: :class:`DatabaseBusy` when the pool gives no connection in time."""
+    async with pool.acquire(timeout=timeout_s) as connection:
+        await connection.fetchval("SELECT true", timeout=timeout_s)
+
+
+async def close_pool(pool: asyncpg.Pool, timeout_s: float) -> None:
+    """Close ``pool`` gracefully, waiting at most ``timeout_s`` for connections still in use; then
+    terminate them (their transactions roll back), so that a stuck caller cannot hold up shutdown."""
+    try:
+        await asyncio.wait_for(pool.close(), timeout_s)
+    except TimeoutError:
+        logger.warning("database connections still in use after %s s: terminating them", timeout_s)
+        pool.terminate()
 
 
 async def apply_migrations(dsn: str) -> list[str]:

@@ -14,6 +14,7 @@ import asyncpg
 import numpy as np
 
 from ragstream.embedding.base import Vectors
+from ragstream.storage.database import DatabaseBusy
 from ragstream.storage.scope import Scope
 
 __all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore", "SearchedSpace"]
@@ -181,6 +182,7 @@ class SearchStore:
         bm25_b: float = 0.75,
         bigram_weight: float = 0.5,
         stats_ttl_s: float = 300.0,
+        statement_timeout_s: float | None = None,
     ) -> None:
         if keyword_ranking not in ("bm25", "ts_rank"):
             raise ValueError(f"unknown keyword ranking {keyword_ranking!r}")
@@ -193,23 +195,37 @@ class SearchStore:
         self._bm25 = (float(bm25_k1), float(bm25_b), float(bigram_weight))
         self._stats_ttl_s = stats_ttl_s
         self._cache = _StatsCache()
+        self._timeout_ms = round(statement_timeout_s * 1000) if statement_timeout_s else 0
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[SearchStore]:
         """This store on one connection, in one read-only REPEATABLE READ transaction: every statement
         of a search then sees the same committed state, so a re-chunk switch or a deletion committed
         meanwhile is seen by all of them or by none, never by one leg and not the other, and the
-        read-back finds every chunk the legs returned."""
-        async with (
-            self._pool.acquire() as connection,
-            connection.transaction(isolation="repeatable_read", readonly=True),
-        ):
-            # chunks first, as the re-index switch does before it drops a table that references it:
-            # a search holding an embedding table while waiting for chunks would deadlock with it.
-            await connection.execute("LOCK TABLE chunks IN ACCESS SHARE MODE")
-            bound = copy.copy(self)
-            bound._db = connection
-            yield bound
+        read-back finds every chunk the legs returned.
+
+        The snapshot is the search's only pool connection: nothing in the block may acquire another,
+        or searches holding every connection would each wait for one more. With
+        ``statement_timeout_s``, a statement (the lock wait included) or a pause between statements
+        that runs longer ends the snapshot with :class:`DatabaseBusy`."""
+        try:
+            async with (
+                self._pool.acquire() as connection,
+                connection.transaction(isolation="repeatable_read", readonly=True),
+            ):
+                if self._timeout_ms:
+                    await connection.execute(
+                        f"SET LOCAL statement_timeout = {self._timeout_ms};"
+                        f" SET LOCAL idle_in_transaction_session_timeout = {self._timeout_ms}"
+                    )
+                # chunks first, as the re-index switch does before it drops a table that references it:
+                # a search holding an embedding table while waiting for chunks would deadlock with it.
+                await connection.execute("LOCK TABLE chunks IN ACCESS SHARE MODE")
+                bound = copy.copy(self)
+                bound._db = connection
+                yield bound
+        except (asyncpg.QueryCanceledError, asyncpg.IdleInTransactionSessionTimeoutError) as error:
+            raise DatabaseBusy(f"a search statement ran past {self._timeout_ms} ms") from error
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Any]:
