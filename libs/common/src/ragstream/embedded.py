@@ -102,6 +102,8 @@ async def serve(
                 on_chunking_changed=rechunker.start,
                 on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
                 resolve_embedding=resolve_embedding,
+                folder_roots=settings.folders.roots(),
+                allow_private_networks=settings.outbound.allow_private_networks,
             ),
             rechunk_router(rechunker, RechunkStore(runtime.pool)),
             sync_router(lambda: runs, runner.wake),

@@ -39,6 +39,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from ragstream import outbound
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
 
 __all__ = [
@@ -230,7 +231,7 @@ class FeishuClient:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(
+            self._client = outbound.client(
                 base_url=self._base_url, timeout=httpx.Timeout(self._timeout_s), transport=self._transport
             )
         return self._client

@@ -23,6 +23,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from ragstream import outbound
 from ragstream.embedding.base import EmbeddingError, Vectors
 
 __all__ = [
@@ -174,7 +175,7 @@ class RemoteEmbeddingClient:
         # Built on first use rather than in __init__ so constructing an embedder (config loading,
         # CLI help) never opens a connection pool that nobody closes.
         if self._client is None:
-            self._client = httpx.AsyncClient(
+            self._client = outbound.client(
                 base_url=self._base_url,
                 headers=self._headers,
                 timeout=httpx.Timeout(self._timeout_s),
