@@ -163,9 +163,10 @@ class FolderConnector:
         except FileNotFoundError as error:
             raise DocumentVanished(item.external_id) from error
         except OSError as error:
-            if error.errno == errno.ELOOP:  # O_NOFOLLOW met a link, swapped in since the listing
+            # O_NOFOLLOW met a link (ELOOP; ENOTDIR for a folder's) swapped in since the listing.
+            if error.errno in (errno.ELOOP, errno.ENOTDIR) and self._has_link(parts):
                 raise DocumentUnreadable(
-                    "symlink", "a symlink since it was listed: not followed", retryable=False
+                    "symlink", "a link since it was listed: not followed", retryable=False
                 ) from None
             raise  # the fetch stage records it unreadable
         with os.fdopen(handle, "rb") as file:
@@ -178,6 +179,9 @@ class FolderConnector:
                 "changed_while_reading", "the file grew after it was listed; the next sync reads it", retryable=True
             )
         return content
+
+    def _has_link(self, parts: list[str]) -> bool:
+        return any(os.path.islink(self.root.joinpath(*parts[:depth])) for depth in range(1, len(parts) + 1))
 
 
 def _portable(relative: str) -> str:
