@@ -64,6 +64,20 @@ async def runtime(database_url: str) -> AsyncIterator[Runtime]:
 
 
 @pytest.fixture
+def private_networks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let outbound requests reach 127.0.0.1, where the fake vendors listen (``ragstream.outbound``
+    refuses private addresses by default)."""
+    monkeypatch.setenv("RAGSTREAM_ALLOW_PRIVATE_NETWORKS", "true")
+
+
+@pytest.fixture
+def folder_roots(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Let folder connections made over the API read the test's own tmp_path (RAGSTREAM_FOLDER_ROOTS)."""
+    monkeypatch.setenv("RAGSTREAM_FOLDER_ROOTS", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
 def corpus(tmp_path: Path) -> Path:
     """An empty folder a test fills with documents; each test gets its own connection."""
     folder = tmp_path / "corpus"

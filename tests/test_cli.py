@@ -100,6 +100,7 @@ def test_up_serves_the_sample_knowledge_base_from_an_embedded_postgres(data_dir:
     port, grpc_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
     env["RAGSTREAM_DATA_DIR"] = str(data_dir)
+    env["RAGSTREAM_FOLDER_ROOTS"] = str(data_dir)  # where the connection made over the API lives
     process = subprocess.Popen(
         [
             *RAGSTREAM,

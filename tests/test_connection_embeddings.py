@@ -36,7 +36,8 @@ from tests.support.embedders import HashEmbedder, dashscope_spec, hash_vector, p
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
 
-pytestmark = pytest.mark.integration
+# The fake vendors listen on 127.0.0.1.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_networks", "folder_roots")]
 pytest_plugins = ["tests.support.fake_dashscope"]
 
 LOCAL_KEY = "use-multilingual-v3-512"  # model A: the deployment's default

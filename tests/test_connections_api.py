@@ -19,7 +19,7 @@ from ragstream.runtime import Runtime
 from ragstream.storage.connections import ConnectionStore
 from tests.support.connections import BoundFolder
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("folder_roots")]
 
 
 async def ready() -> bool:

@@ -17,7 +17,7 @@ from ragstream_fetcher import main as fetcher_main
 from tests.support.connections import fetcher_database
 from tests.support.run_owner import owner_locks
 
-pytestmark = [pytest.mark.integration, pytest.mark.kafka]
+pytestmark = [pytest.mark.integration, pytest.mark.kafka, pytest.mark.usefixtures("folder_roots")]
 
 FILES = 40
 

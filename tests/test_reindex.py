@@ -35,7 +35,8 @@ from tests.support.embedders import HashEmbedder, dashscope_spec, hash_vector, p
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
 
-pytestmark = pytest.mark.integration
+# The fake vendors listen on 127.0.0.1.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_networks")]
 # Registered as a plugin rather than imported, so pytest can rewrite its asserts.
 pytest_plugins = ["tests.support.fake_dashscope"]
 

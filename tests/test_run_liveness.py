@@ -25,7 +25,8 @@ from ragstream.storage.database import connect_pool
 from tests.support.connections import private_database
 from tests.support.run_owner import owner_locks
 
-pytestmark = pytest.mark.integration
+# Its "wiki" connection is a folder made with an API-style id, so it must lie in a root.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("folder_roots")]
 
 # Hours: any run failed in these tests was failed for its owner, never by the clock.
 _STALE_S = 4 * 3600

@@ -38,6 +38,9 @@ from ragstream.storage.connections import ConnectionStore
 from ragstream_fetcher import main as fetcher_main
 from tests.support.connections import fetcher_database, private_database
 
+# The fake vendors listen on 127.0.0.1.
+pytestmark = pytest.mark.usefixtures("private_networks")
+
 if TYPE_CHECKING:
     from tests.support.fake_feishu import FakeFeishu, FakeNode, FakeSpace
 

@@ -21,6 +21,8 @@ from ragstream.runtime import Runtime
 from ragstream.storage.connections import ConnectionStore
 from ragstream.vendor_http import RateLimit, RetryPolicy
 
+pytestmark = pytest.mark.usefixtures("private_networks")
+
 if TYPE_CHECKING:
     from tests.support.fake_ima import FakeBase, FakeIma, FakeMedia
 

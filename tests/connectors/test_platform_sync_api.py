@@ -13,10 +13,13 @@ import pytest
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
 
+from ragstream.api.auth import Access
 from ragstream.embedded import serve
 from ragstream.runtime import open_runtime
 from ragstream.settings import Settings
 from tests.support.connections import private_database
+
+pytestmark = pytest.mark.usefixtures("private_networks")
 
 if TYPE_CHECKING:
     from tests.support.fake_ima import FakeIma
@@ -71,7 +74,7 @@ async def test_yuque_and_ima_connections_sync_to_ready_from_their_stored_credent
     )
     port = free_port()
     async with private_database(database_url) as dsn, open_runtime(settings, dsn) as runtime:
-        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=0))
+        server = asyncio.create_task(serve(runtime, [], "127.0.0.1", port, 0, grpc_port=0, access=Access.open()))
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
                 for _ in range(200):

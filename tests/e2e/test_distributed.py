@@ -33,12 +33,14 @@ CONSUMERS = ("chunker", "embedder", "indexer")
 
 
 @pytest.fixture(scope="module")
-def service_env(database_url: str, kafka_bootstrap: str) -> dict[str, str]:
+def service_env(database_url: str, kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
         "DATABASE_URL": database_url,
         "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
         "RAGSTREAM_KAFKA_SESSION_TIMEOUT_MS": "6000",
         "RAGSTREAM_FETCHER_INTERVAL_S": "0",
+        # Every test's tmp_path is below it: the folders synced through the fetcher's API.
+        "RAGSTREAM_FOLDER_ROOTS": str(tmp_path_factory.getbasetemp()),
     }
 
 

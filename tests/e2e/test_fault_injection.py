@@ -53,7 +53,8 @@ from tests.support.connections import private_database
 from tests.support.fake_dashscope import FakeDashScope, run_fake_dashscope
 from tests.support.services import ServiceProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.kafka]
+# The fake DashScope listens on 127.0.0.1, for the clean run here as for the services.
+pytestmark = [pytest.mark.integration, pytest.mark.kafka, pytest.mark.usefixtures("private_networks")]
 
 DOCUMENTS = 2000
 SEED = int(os.environ.get("RAGSTREAM_FAULT_SEED", "18"))
@@ -362,6 +363,8 @@ async def _converge(dsn: str, kafka_bootstrap: str, tmp_path: Path) -> None:
             "RAGSTREAM_EMBEDDER_BASE_URL": fake.base_url,
             "RAGSTREAM_EMBEDDER_API_KEY": fake.api_key,
             "RAGSTREAM_EMBEDDER_DIMENSION": str(DIMENSION),
+            "RAGSTREAM_ALLOW_PRIVATE_NETWORKS": "true",
+            "RAGSTREAM_FOLDER_ROOTS": str(tmp_path),
         }
         chaos = Chaos(env, logs, rng, points)
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)

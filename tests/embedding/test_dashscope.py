@@ -16,6 +16,9 @@ import pytest
 from ragstream.embedding.base import Embedder, EmbeddingError
 from ragstream.embedding.dashscope import EMBEDDING_PATH, DashScopeEmbedder
 
+# The fake vendors listen on 127.0.0.1.
+pytestmark = pytest.mark.usefixtures("private_networks")
+
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
 

@@ -23,6 +23,9 @@ from ragstream.runtime import open_runtime
 from ragstream.settings import EmbeddingSettings, Settings
 from tests.support.connections import private_database
 
+# The fake vendors listen on 127.0.0.1.
+pytestmark = pytest.mark.usefixtures("private_networks")
+
 # Fetched once from Maven Central (like the Kafka jars) and kept with the repository's caches.
 MODEL_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models"
 ZH = "bge-small-zh-v1.5"

@@ -16,6 +16,9 @@ from ragstream.embedding.openai_compatible import (
     parse_openai_error,
 )
 
+# The fake vendors listen on 127.0.0.1.
+pytestmark = pytest.mark.usefixtures("private_networks")
+
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
 

@@ -15,6 +15,9 @@ from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.search import SearchStore
 
+# The fake vendors listen on 127.0.0.1.
+pytestmark = pytest.mark.usefixtures("private_networks")
+
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
 

@@ -73,6 +73,9 @@ def _report(report: SyncReport, source: str) -> None:
         f"[bold]{source}[/]: {p.listed} listed, {p.unchanged} unchanged, {p.indexed} indexed "
         f"({p.chunks} chunks), {p.deleted} deleted, {len(report.failures)} failed"
     )
+    if p.skipped:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(p.skipped.items()))
+        console.print(f"[bold]{source}[/]: skipped, never indexed: {reasons} (the log names each entry)")
     if report.failures:
         table = Table("document", "step", "reason", title="Documents that did not index")
         for failure in report.failures:
@@ -411,7 +414,7 @@ def up(
     _run(lambda runtime: serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port, access=access))
 
 
-_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")
+_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")
 
 
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
@@ -461,7 +464,17 @@ def status(
         sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=2) + "\n")
         return
     table = Table(
-        "connection", "platform", "status", "walk", "done/listed", "indexed", "failed", "docs/s", "ETA", "last error"
+        "connection",
+        "platform",
+        "status",
+        "walk",
+        "done/listed",
+        "indexed",
+        "failed",
+        "skipped",
+        "docs/s",
+        "ETA",
+        "last error",
     )
     for row in rows:
         done = row["unchanged"] + row["indexed"] + row["failed"]
@@ -473,6 +486,7 @@ def status(
             f"{done}/{row['listed']}",
             str(row["indexed"]),
             str(row["failed"]),
+            str(row["skipped"]),
             f"{row['rate']:.1f}" if row["rate"] is not None else "",
             f"{row['eta_seconds']:.0f} s" if row["eta_seconds"] is not None and row["status"] == "Syncing" else "",
             row["last_error"] or row["reason"] or "",

@@ -185,6 +185,8 @@ def api_app(
                 on_chunking_changed=rechunker.start,
                 on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
                 resolve_embedding=resolve_embedding,
+                folder_roots=runtime.settings.folders.roots(),
+                allow_private_networks=runtime.settings.outbound.allow_private_networks,
             ),
             rechunk_router(rechunker, RechunkStore(runtime.pool)),
             sync_router(lambda: runs, runner.wake),

@@ -38,6 +38,8 @@ class SyncProgress:
     failed_fetching: int = 0
     failed_processing: int = 0
     chunks: int = 0
+    # Entries the connector left out, by reason (a symlink, a special file): never indexed.
+    skipped: dict[str, int] = field(default_factory=dict)
     listing_done: bool = False
     # Which walk this sync is (backward: the first, full one), and whether it resumed a stopped one.
     direction: Direction | None = None
@@ -155,6 +157,7 @@ class EmbeddedPipeline:
             counts = await fetch.run(sink, index_unfinished=index_walk.resumed)
             # Also when nothing was listed (an empty folder), which the per-item callback never sees.
             progress.direction, progress.resumed = counts.direction, counts.resumed
+            progress.skipped = counts.skipped
             return counts
 
         guard = EmbeddingGuard(self._max_unembedded_ratio, self._guard_min_chunks)

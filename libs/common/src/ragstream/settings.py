@@ -10,9 +10,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, GetCoreSchemaHandler, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, GetCoreSchemaHandler, SecretStr, field_validator, model_validator
 from pydantic_core import core_schema
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ragstream.outbound import OutboundSettings, check_scheme
 
 __all__ = [
     "ApiKey",
@@ -20,6 +22,7 @@ __all__ = [
     "ChunkingSettings",
     "EmbeddingProvider",
     "EmbeddingSettings",
+    "FolderSettings",
     "Role",
     "SearchLimitsSettings",
     "Settings",
@@ -102,6 +105,34 @@ class ApiKeys:
         )
 
 
+def _http_url(url: str | None) -> str | None:
+    # The scheme at start-up; the address is checked on every request (ragstream.outbound).
+    if url is not None:
+        check_scheme(url)
+    return url
+
+
+VendorUrl = Annotated[str | None, AfterValidator(_http_url)]
+
+
+class FolderSettings(BaseSettings):
+    """Which server folders ``folder`` connections made over the API may read."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_")
+
+    folder_roots: Annotated[
+        str,
+        Field(
+            title="Folders that API-made folder connections may read",
+            description="Colon-separated absolute paths; a connection's config.path must resolve inside one. "
+            "Empty: none may be made over the API (ragstream ingest and up --source still register theirs).",
+        ),
+    ] = ""
+
+    def roots(self) -> list[Path]:
+        return [Path(part) for part in self.folder_roots.split(":") if part]
+
+
 class ChunkingSettings(BaseSettings):
     """How documents are split; defaults follow the product spec (1,500 chars, 100 overlap)."""
 
@@ -174,7 +205,7 @@ class EmbeddingSettings(BaseSettings):
     provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")] = "local"
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", description="Provider default when unset.")] = None
-    base_url: Annotated[str | None, Field(title="Endpoint base URL")] = None
+    base_url: Annotated[VendorUrl, Field(title="Endpoint base URL")] = None
     api_key: Annotated[SecretStr | None, Field(title="API key")] = None
     threads: Annotated[int, Field(title="CPU threads of the local model", ge=1)] = 2
     model_dir: Annotated[
@@ -277,7 +308,7 @@ class Settings(BaseSettings):
         ),
     ] = None
     dashscope_base_url: Annotated[
-        str | None,
+        VendorUrl,
         Field(
             title="DashScope host of the reranker and rephraser",
             description="Like https://dashscope-intl.aliyuncs.com; the rephraser appends /compatible-mode/v1. "
@@ -388,6 +419,8 @@ class Settings(BaseSettings):
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
+    folders: FolderSettings = Field(default_factory=FolderSettings)
+    outbound: OutboundSettings = Field(default_factory=OutboundSettings)
 
     def dashscope_key(self) -> SecretStr | None:
         """The key for DashScope rerank and rephrasing: its own, else the DashScope embedder's."""

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from ragstream import outbound
+
 __all__ = [
     "PacingWindow",
     "RateLimit",
@@ -126,14 +128,16 @@ def build_client(
     max_connections: int | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> httpx.AsyncClient:
-    """The one factory of outbound HTTP clients. ``max_connections`` caps the pool (and its keep-alive
-    connections); ``transport`` replaces the network layer (an outbound address guard, a test's mock)."""
+    """The one factory of vendor HTTP clients: every request passes the outbound gate
+    (:mod:`ragstream.outbound`: http(s) only, no private addresses unless allowed, redirects included).
+    ``max_connections`` caps the pool (and its keep-alive connections); ``transport`` replaces the
+    network below the gate (a test's mock)."""
     limits = (
         httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         if max_connections is not None
         else httpx.Limits()
     )
-    return httpx.AsyncClient(
+    return outbound.client(
         base_url=base_url,
         timeout=httpx.Timeout(timeout_s),
         headers=dict(headers or {}),

@@ -35,7 +35,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ragstream.api.auth import Access, protect
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.connectors.base import Connector
-from ragstream.connectors.folder import FolderConnector
+from ragstream.connectors.folder import FolderConnector, FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import NoConnector, connector_for, register_folder
 from ragstream.control.runner import RunExecution, RunProgress, failure_reason
 from ragstream.control.runs import (
@@ -75,7 +75,13 @@ class FetcherSettings(BaseSettings):
 
 
 class SyncRequest(BaseModel):
-    path: Annotated[str, Field(title="Folder to sync", description="A path the fetcher can read.")]
+    path: Annotated[
+        str,
+        Field(
+            title="Folder to sync",
+            description="An absolute path inside RAGSTREAM_FOLDER_ROOTS, or one of RAGSTREAM_FETCHER_FOLDERS.",
+        ),
+    ]
 
 
 class SyncStatus(BaseModel):
@@ -116,6 +122,7 @@ def create_app() -> FastAPI:
             listing_done=listing_done,
             direction=counts.direction,
             resumed=counts.resumed,
+            skipped=sum(counts.skipped.values()),
         )
 
     async def run_sync(connector: Connector, run: SyncRun) -> None:
@@ -170,7 +177,17 @@ def create_app() -> FastAPI:
             row = ended or await run_store().get(run.id)
             status.state, status.error = "failed", row.reason if row is not None else "the run is gone"
 
+    def check_requested(folder: Path) -> None:
+        """A folder asked for over the API: one of the timed folders, or one inside the roots."""
+        if folder.resolve() not in {timed.resolve() for timed in fetcher.folders}:
+            confined_folder(folder, settings.folders.roots())
+
     async def start_sync(folder: Path, trigger: Trigger) -> SyncStatus:
+        if trigger == "api":
+            try:
+                await asyncio.to_thread(check_requested, folder)
+            except FolderNotAllowed as error:
+                raise HTTPException(status_code=422, detail=str(error)) from None
         try:
             connector = FolderConnector(folder)
         except NotADirectoryError as error:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -13,14 +14,16 @@ from fastapi import APIRouter, HTTPException, Response
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, ValidationError, model_validator
 
+from ragstream import outbound
 from ragstream.api.syncs import SyncError
 from ragstream.chunking import ChunkingConfig, parse_chunking
+from ragstream.connectors.folder import FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import INDEXABLE_PLATFORMS
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
 from ragstream.reindex import ReindexBusy, UnknownConnection
-from ragstream.settings import EmbeddingProvider
+from ragstream.settings import EmbeddingProvider, FolderSettings
 from ragstream.storable import Storable
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
@@ -57,6 +60,9 @@ EmbeddingResolver = Callable[[dict[str, Any]], Awaitable[tuple[str, int]]]
 """The model key and dimension of the embedder a spec builds (``ActiveSpace.resolve``); ``ValueError``."""
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No connection with this id"}}
+
+#: Config keys that decide where a connector sends the connection's credentials.
+_DESTINATION_KEYS = ("base_url",)
 
 
 def _rag_refusal(platform: str) -> str | None:
@@ -97,7 +103,11 @@ class ConnectionConfig(BaseModel):
     model_config = ConfigDict(extra="allow", title="Connection config")
 
     path: Annotated[
-        str | None, Field(title="Folder path", description="folder: an existing directory on the server.")
+        str | None,
+        Field(
+            title="Folder path",
+            description="folder: an absolute path to a directory inside one of the server's RAGSTREAM_FOLDER_ROOTS.",
+        ),
     ] = None
     chunking: Annotated[
         ChunkingConfig | None,
@@ -118,12 +128,6 @@ class ConnectionConfig(BaseModel):
             "vectors; the new value shows here once switched in.",
         ),
     ] = None
-
-    @model_validator(mode="after")
-    def _path_is_a_folder(self) -> ConnectionConfig:
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ValueError(f"path {self.path!r} is not an existing directory")
-        return self
 
     def stored(self) -> dict[str, Any]:
         """The keys that were given, as JSON for the ``config`` column."""
@@ -158,7 +162,7 @@ class ConnectionCreate(BaseModel):
     @model_validator(mode="after")
     def _folder_has_a_path(self) -> ConnectionCreate:
         if self.platform == "folder" and self.config.path is None:
-            raise ValueError("a folder connection needs config.path, an existing directory on the server")
+            raise ValueError("a folder connection needs config.path, a directory inside RAGSTREAM_FOLDER_ROOTS")
         return self
 
     @model_validator(mode="after")
@@ -235,6 +239,8 @@ def connections_router(
     on_chunking_changed: RechunkHook | None = None,
     on_embedding_changed: EmbeddingHook | None = None,
     resolve_embedding: EmbeddingResolver | None = None,
+    folder_roots: Sequence[Path] | None = None,
+    allow_private_networks: bool | None = None,
     tracer: trace.Tracer | None = None,
 ) -> APIRouter:
     """The routes. ``on_created`` runs after a connection with RAG on is created, ``on_rag_enabled`` after
@@ -248,9 +254,48 @@ def connections_router(
 
     The embedding model likewise: with ``resolve_embedding``, a connection created with one is pinned
     to its space at once; with ``on_embedding_changed``, an update that changes it starts the
-    connection's re-index, which stores it when it switches. Without them it is only stored."""
+    connection's re-index, which stores it when it switches. Without them it is only stored.
+
+    What a connection may reach is checked before anything is stored (422 otherwise): a folder's
+    ``config.path`` must resolve inside ``folder_roots`` (None: RAGSTREAM_FOLDER_ROOTS), and every
+    vendor URL (``config.base_url``, ``config.embedding.base_url``) must pass ``ragstream.outbound``
+    (``allow_private_networks`` None: RAGSTREAM_ALLOW_PRIVATE_NETWORKS). Changing ``base_url`` of a
+    connection with stored credentials needs the credentials again in the same request, so that a
+    changed URL never receives secrets given for another host."""
     router = APIRouter(prefix="/v1/connections", tags=["connections"])
     spans = tracer or trace.get_tracer(__name__)
+    roots = list(folder_roots) if folder_roots is not None else FolderSettings().roots()
+
+    def unprocessable(detail: str) -> HTTPException:
+        return HTTPException(status_code=422, detail=detail)
+
+    def confined(path: str) -> str:
+        try:
+            return str(confined_folder(path, roots))
+        except FolderNotAllowed as error:
+            raise unprocessable(str(error)) from None
+
+    async def check_destinations(config: ConnectionConfig) -> None:
+        urls = {key: config.stored().get(key) for key in _DESTINATION_KEYS}
+        if config.embedding is not None:
+            urls["embedding.base_url"] = config.embedding.base_url
+        for key, url in urls.items():
+            if url is None:
+                continue
+            if not isinstance(url, str):
+                raise unprocessable(f"config.{key} must be a URL string")
+            try:
+                await asyncio.to_thread(outbound.check_url, url, allow_private=allow_private_networks)
+            except outbound.OutboundRefused as error:
+                raise unprocessable(f"config.{key}: {error}") from None
+
+    def require_credentials_for(current: Connection, body: ConnectionPatch, config: dict[str, Any]) -> None:
+        moved = [key for key in _DESTINATION_KEYS if key in config and config[key] != current.config.get(key)]
+        if moved and current.has_credentials and body.credentials is None:
+            raise unprocessable(
+                f"changing config.{moved[0]} of a connection with stored credentials needs the credentials again "
+                "in the same request: they are never sent to a new host without being given for it"
+            )
 
     async def run_hook(hook: ConnectionHook | None, connection_id: str) -> None:
         if hook is None:
@@ -300,11 +345,15 @@ def connections_router(
         """Create a connection; with RAG on, a full sync starts."""
         with spans.start_as_current_span("connections.create") as span:
             span.set_attribute("connection.platform", body.platform)
+            config = body.config.stored()
+            if body.platform == "folder" and body.config.path is not None:
+                config["path"] = confined(body.config.path)
+            await check_destinations(body.config)
             try:
                 connection = await store.create(
                     body.platform,
                     body.name,
-                    config=body.config.stored(),
+                    config=config,
                     credentials=body.credentials,
                     rag_enabled=body.rag_enabled,
                     schedule_seconds=body.schedule_seconds,
@@ -353,6 +402,14 @@ def connections_router(
                 if refusal := _rag_refusal(current.platform):
                     raise HTTPException(status_code=422, detail=refusal)
             config = body.config.stored() if body.config is not None else None
+            if body.config is not None and config is not None:
+                current = await store.get(connection_id)
+                if current is None:
+                    raise not_found(connection_id)
+                if current.platform == "folder" and body.config.path is not None:
+                    config["path"] = confined(body.config.path)
+                await check_destinations(body.config)
+                require_credentials_for(current, body, config)
             chunking = body.config.chunking if body.config is not None else None
             embedding_given = body.config is not None and "embedding" in body.config.model_fields_set
             if body.config is not None and config is not None and embedding_given and on_embedding_changed:

@@ -51,6 +51,14 @@ class SyncRunView(BaseModel):
     resumed: Annotated[
         bool, Field(title="Resumed an interrupted sync", description="Staged items were not downloaded again.")
     ] = False
+    skipped: Annotated[
+        int,
+        Field(
+            title="Entries left out of the listing",
+            description="Symlinks, special files and unreadable entries of a folder: never indexed, each "
+            "logged with its reason.",
+        ),
+    ] = 0
     rate: Annotated[float | None, Field(title="Documents per second")] = None
     eta_seconds: Annotated[float | None, Field(title="Seconds left at the current rate")] = None
     created_at: Annotated[datetime, Field(title="Queued at")]
@@ -76,6 +84,7 @@ class SyncRunView(BaseModel):
             listing_done=run.counts.listing_done,
             direction=run.counts.direction,
             resumed=run.counts.resumed,
+            skipped=run.counts.skipped,
             rate=run.rate,
             eta_seconds=run.eta_seconds,
             created_at=run.created_at,

@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ClosingConnector", "Connector", "DocumentUnreadable", "DocumentVanished", "SourceItem"]
+__all__ = [
+    "ClosingConnector",
+    "Connector",
+    "DocumentUnreadable",
+    "DocumentVanished",
+    "SkippingConnector",
+    "SourceItem",
+]
 
 
 class DocumentVanished(Exception):
@@ -79,3 +86,12 @@ class ClosingConnector(Protocol):
     at the end of every walk, and the connector reopens them if it is used again."""
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class SkippingConnector(Protocol):
+    """A connector that leaves entries out of its listing for a reason (a symlink, a special file):
+    ``skipped`` counts them by reason for the latest listing, and the sync reports the counts."""
+
+    @property
+    def skipped(self) -> Mapping[str, int]: ...

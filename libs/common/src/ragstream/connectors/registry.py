@@ -11,9 +11,10 @@ from pydantic import SecretStr
 
 from ragstream.connectors.base import Connector
 from ragstream.connectors.feishu import FeishuConnector
-from ragstream.connectors.folder import FolderConnector
+from ragstream.connectors.folder import FolderConnector, FolderNotAllowed, confined_folder, folder_connection_id
 from ragstream.connectors.ima import ImaConnector
 from ragstream.connectors.yuque import YuqueConnector
+from ragstream.settings import FolderSettings
 from ragstream.storage.documents import DocumentStore
 
 __all__ = ["INDEXABLE_PLATFORMS", "ConnectionRow", "NoConnector", "connector_for", "register_folder"]
@@ -39,6 +40,13 @@ def _folder(row: ConnectionRow) -> Connector:
     path = row.config.get("path")
     if not isinstance(path, str):
         raise ValueError(f"folder connection {row.id} has no config.path")
+    # A folder the operator registered (ingest, up --source) has the id derived from its resolved
+    # path; any other folder, and one whose path now resolves elsewhere, must lie in a root.
+    if row.id != folder_connection_id(Path(path)):
+        try:
+            confined_folder(path, FolderSettings().roots())
+        except FolderNotAllowed as error:
+            raise ValueError(f"folder connection {row.id}: {error}") from None
     # The stored config (chunking) is kept as it is: None means "do not replace it".
     return FolderConnector(Path(path), connection_id=row.id)
 

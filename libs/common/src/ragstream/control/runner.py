@@ -50,6 +50,7 @@ def _counts(progress: SyncProgress) -> RunCounts:
         listing_done=progress.listing_done,
         direction=progress.direction,
         resumed=progress.resumed,
+        skipped=sum(progress.skipped.values()),
     )
 
 

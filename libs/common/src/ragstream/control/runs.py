@@ -124,6 +124,8 @@ class RunCounts:
     listing_done: bool = False
     direction: Direction | None = None
     resumed: bool = False
+    # Entries the connector left out (symlinks, special files, unreadable ones): never indexed.
+    skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +193,7 @@ def _connection(row: asyncpg.Record, id_column: str = "id") -> ConnectionRow:
 
 _COUNTS_SQL = (
     "listed = $2, unchanged = $3, changed = $4, indexed = $5, deleted = $6, failed = $7, chunks = $8,"
-    " listing_done = $9, direction = $10, resumed = $11, rate = $12, eta_seconds = $13"
+    " listing_done = $9, direction = $10, resumed = $11, skipped = $12, rate = $13, eta_seconds = $14"
 )
 
 
@@ -367,7 +369,7 @@ class SyncRunStore:
         """Write the counters; the heartbeat moves only when ``moved`` (so a hung sync goes stale).
         False when the run is no longer syncing (failed as stale meanwhile)."""
         status = await self._pool.execute(
-            f"UPDATE sync_runs SET {_COUNTS_SQL}, heartbeat_at = CASE WHEN $14 THEN now() ELSE heartbeat_at END"
+            f"UPDATE sync_runs SET {_COUNTS_SQL}, heartbeat_at = CASE WHEN $15 THEN now() ELSE heartbeat_at END"
             " WHERE id = $1 AND status = 'syncing'",
             run_id,
             *_count_args(counts),
@@ -392,7 +394,7 @@ class SyncRunStore:
             raise ValueError(f"a run finishes ready or failed, not {status}")
         async with self._pool.acquire() as connection, connection.transaction():
             row = await connection.fetchrow(
-                f"UPDATE sync_runs SET {_COUNTS_SQL}, status = $14, reason = $15, finished_at = now()"
+                f"UPDATE sync_runs SET {_COUNTS_SQL}, status = $15, reason = $16, finished_at = now()"
                 " WHERE id = $1 AND status IN ('queued', 'syncing') RETURNING *",
                 run_id,
                 *_count_args(counts),

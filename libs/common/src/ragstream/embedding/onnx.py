@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 
+from ragstream import outbound
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
 
 if TYPE_CHECKING:
@@ -91,7 +91,10 @@ def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0) -> Pat
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=folder) as staging:
         jar = Path(staging) / "model.jar"
         digest = hashlib.sha256()
-        with httpx.stream("GET", model.jar_url, timeout=timeout_s, follow_redirects=True) as response:
+        with (
+            outbound.sync_client(timeout=timeout_s, follow_redirects=True) as http,
+            http.stream("GET", model.jar_url) as response,
+        ):
             if response.status_code != 200:
                 raise EmbeddingError(
                     f"fetching {model.jar_url} failed: HTTP {response.status_code}", retryable=True, provider="onnx"

@@ -10,7 +10,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ragstream.connectors.base import ClosingConnector, Connector, DocumentUnreadable, DocumentVanished, SourceItem
+from ragstream.connectors.base import (
+    ClosingConnector,
+    Connector,
+    DocumentUnreadable,
+    DocumentVanished,
+    SkippingConnector,
+    SourceItem,
+)
 from ragstream.failures import StageFailure, record_failure
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
@@ -59,6 +66,8 @@ class SyncCounts:
     downloaded: int = 0
     direction: Direction | None = None
     resumed: bool = False
+    # Entries the connector left out, by reason (symlink, special_file, unreadable).
+    skipped: dict[str, int] = field(default_factory=dict)
     # The (document id, version) of every change announced: what a Kafka-mode run waits for.
     announced: list[tuple[str, int]] = field(default_factory=list)
 
@@ -144,6 +153,8 @@ class FetchService:
                 written = time.monotonic()
             if self._on_item:
                 await self._on_item(counts)
+        if isinstance(self._connector, SkippingConnector):
+            counts.skipped = dict(self._connector.skipped)
         # Staged but never indexed counts as known: a document deleted meanwhile gets its tombstone.
         known = {external_id: _staged_as_known(header) for external_id, header in staged.items()} | committed
         for external_id, gone in known.items():
