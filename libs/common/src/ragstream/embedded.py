@@ -23,10 +23,13 @@ from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
+from ragstream.retrieval.direct import DirectSearch
 from ragstream.retrieval.reader import DocumentReader
+from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.direct_connections import DirectConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
@@ -81,6 +84,8 @@ async def serve(
         )
 
     connections = ConnectionStore(runtime.pool, cipher)
+    direct = DirectSearch(DirectConnectionStore(runtime.pool, cipher), timeout_s=settings.direct_search_timeout_s)
+    searcher = SearchWithDirect(runtime.retriever, direct, CitationStore(runtime.pool), rrf_k=settings.rrf_k)
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
     reindexer = runtime.reindexer()
     rechunker = runtime.rechunker()
@@ -90,7 +95,7 @@ async def serve(
         return embedder.model_key, embedder.dimension
 
     app = create_app(
-        lambda: runtime.retriever,
+        lambda: searcher,
         ready=ready,
         sync_progress=lambda: runner.live,
         reader=lambda: reader,
@@ -119,7 +124,7 @@ async def serve(
             )
         )
     try:
-        async with _grpc(runtime, host, grpc_port, ready):
+        async with _grpc(searcher, host, grpc_port, ready):
             await server.serve()
     finally:
         for task in background:
@@ -128,13 +133,16 @@ async def serve(
         await runs.aclose()
         await reindexer.aclose()
         await rechunker.aclose()
+        await searcher.aclose()
 
 
 @contextlib.asynccontextmanager
-async def _grpc(runtime: Runtime, host: str, port: int, ready: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
+async def _grpc(
+    searcher: SearchWithDirect, host: str, port: int, ready: Callable[[], Awaitable[bool]]
+) -> AsyncIterator[None]:
     """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
     if not port:
         yield
         return
-    async with grpc_server(lambda: runtime.retriever, host=host, port=port, ready=ready):
+    async with grpc_server(lambda: searcher, host=host, port=port, ready=ready):
         yield

@@ -10,10 +10,14 @@ from fastapi import FastAPI
 
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
+from ragstream.credentials import CredentialCipher
+from ragstream.retrieval.direct import DirectSearch
 from ragstream.retrieval.reader import DocumentReader
+from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
+from ragstream.storage.direct_connections import DirectConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
 
 __all__ = ["create_app"]
@@ -23,13 +27,14 @@ def create_app() -> FastAPI:
     settings = Settings()
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}
+    searchers: dict[str, SearchWithDirect] = {}
 
     async def ready() -> bool:
         runtime = state.get("runtime")
         return runtime is not None and bool(await runtime.pool.fetchval("SELECT true"))
 
     app = create_search_app(
-        lambda: state["runtime"].retriever if "runtime" in state else None,
+        lambda: searchers.get("searcher"),
         ready=ready,
         reader=lambda: readers.get("reader"),
     )
@@ -42,14 +47,20 @@ def create_app() -> FastAPI:
             runtime = await stack.enter_async_context(open_runtime(settings, settings.database_url))
             await runtime.embedder.warm_up()
             state["runtime"] = runtime
+            direct = DirectSearch(
+                DirectConnectionStore(runtime.pool, CredentialCipher.from_settings(settings)),
+                timeout_s=settings.direct_search_timeout_s,
+            )
+            searcher = SearchWithDirect(runtime.retriever, direct, CitationStore(runtime.pool), rrf_k=settings.rrf_k)
+            searchers["searcher"] = searcher
+            stack.push_async_callback(searcher.aclose)
+            stack.callback(searchers.clear)
             readers["reader"] = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
             stack.callback(state.clear)
             stack.callback(readers.clear)
             if settings.grpc_port:
                 await stack.enter_async_context(
-                    grpc_server(
-                        lambda: runtime.retriever, host=settings.grpc_host, port=settings.grpc_port, ready=ready
-                    )
+                    grpc_server(lambda: searcher, host=settings.grpc_host, port=settings.grpc_port, ready=ready)
                 )
             yield
 

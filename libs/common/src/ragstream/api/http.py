@@ -17,12 +17,13 @@ from ragstream.pipeline import SyncProgress
 from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
 from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
+from ragstream.retrieval.with_direct import SearchWithDirect
 
 __all__ = ["create_app"]
 
 
 def create_app(
-    retriever: Callable[[], HybridRetriever | None],
+    retriever: Callable[[], HybridRetriever | SearchWithDirect | None],
     *,
     ready: Callable[[], Awaitable[bool]],
     sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,

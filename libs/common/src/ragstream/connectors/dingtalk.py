@@ -64,8 +64,6 @@ class DingTalkToken(httpx.Auth):
     """The app access token, fetched through the client it authenticates and cached until shortly
     before its ``expireIn``; concurrent requests share one fetch."""
 
-    requires_response_body = True
-
     def __init__(
         self, app_key: SecretStr, app_secret: SecretStr, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -86,6 +84,7 @@ class DingTalkToken(httpx.Auth):
         async with self._lock:
             if self._token is None or self._clock() >= self._expires_at:
                 issued = yield self._token_request(request)
+                await issued.aread()
                 self._store(issued)
             token = self._token
         request.headers[TOKEN_HEADER] = token or ""
@@ -95,6 +94,7 @@ class DingTalkToken(httpx.Auth):
         async with self._lock:
             if self._token == token:  # nobody renewed it meanwhile
                 issued = yield self._token_request(request)
+                await issued.aread()
                 self._store(issued)
             request.headers[TOKEN_HEADER] = self._token or ""
         yield request
