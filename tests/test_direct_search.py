@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
 
+from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.connectors.folder import FolderConnector
 from ragstream.credentials import CredentialCipher
@@ -23,6 +25,7 @@ from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.direct_connections import DirectConnectionStore
+from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.support.fake_dingtalk import APP_KEY, APP_SECRET, OPERATOR, FakeDingTalk
 from tests.support.fake_yuque import DEFAULT_TOKEN, FakeYuque
 
@@ -40,6 +43,7 @@ async def ready() -> bool:
 @dataclass
 class Setup:
     client: httpx.AsyncClient
+    searcher: SearchWithDirect
     connections: ConnectionStore
     folder_id: str
 
@@ -54,7 +58,7 @@ async def setup(runtime: Runtime, corpus: Path) -> AsyncIterator[Setup]:
     app = create_app(lambda: searcher, ready=ready)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield Setup(client, ConnectionStore(runtime.pool, cipher), FolderConnector(corpus).connection_id)
+            yield Setup(client, searcher, ConnectionStore(runtime.pool, cipher), FolderConnector(corpus).connection_id)
     finally:
         await searcher.aclose()
 
@@ -199,3 +203,22 @@ async def test_without_live_connections_the_local_response_is_unchanged(setup: S
 
     assert body["degraded"] == [] and [result["mode"] for result in body["results"]] == ["rag"]
     assert body["results"][0]["citation_index"] == 1
+
+
+async def test_grpc_answers_the_mode_and_the_degraded_platforms(
+    setup: Setup, fake_dingtalk: FakeDingTalk, fake_yuque: FakeYuque
+) -> None:
+    fake_dingtalk.add("Retention runbook", "Shorten the retention.")
+    ding = await dingtalk_connection(setup, fake_dingtalk)
+    yuque = await yuque_connection(setup, fake_yuque, token="a-revoked-token-value")
+    scope = retrieval_pb2.StringList(values=[setup.folder_id, ding, yuque])
+    request = retrieval_pb2.SearchRequest(query="retention", filters=retrieval_pb2.SearchFilters(connection_ids=scope))
+
+    async with (
+        grpc_server(lambda: setup.searcher, host="127.0.0.1", port=0) as port,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        answer = await retrieval_pb2_grpc.RetrievalStub(channel).Search(request, timeout=10)
+
+    assert {(result.platform, result.mode) for result in answer.results} == {("folder", "rag"), ("dingtalk", "direct")}
+    assert [(entry.connection_id, entry.platform) for entry in answer.degraded] == [(yuque, "yuque")]
