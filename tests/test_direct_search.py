@@ -27,13 +27,15 @@ from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.direct_connections import DirectConnectionStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.support.fake_dingtalk import APP_KEY, APP_SECRET, OPERATOR, FakeDingTalk
+from tests.support.fake_ima import DEFAULT_API_KEY, DEFAULT_CLIENT_ID, FakeIma
 from tests.support.fake_yuque import DEFAULT_TOKEN, FakeYuque
 
-pytest_plugins = ["tests.support.fake_dingtalk", "tests.support.fake_yuque"]
+pytest_plugins = ["tests.support.fake_dingtalk", "tests.support.fake_ima", "tests.support.fake_yuque"]
 pytestmark = pytest.mark.integration
 
-#: Far below the 30-second default, so a slow platform is given up on quickly.
-TIMEOUT_S = 0.5
+#: Far below the 30-second default, so a slow platform is given up on quickly, yet ample for a
+#: failing one's retry on a loaded machine.
+TIMEOUT_S = 3.0
 
 
 async def ready() -> bool:
@@ -86,6 +88,14 @@ async def yuque_connection(setup: Setup, fake: FakeYuque, *, token: str = DEFAUL
     return connection.id
 
 
+async def ima_connection(setup: Setup, fake: FakeIma) -> str:
+    credentials = {"client_id": SecretStr(DEFAULT_CLIENT_ID), "api_key": SecretStr(DEFAULT_API_KEY)}
+    connection = await setup.connections.create(
+        "ima", "Notes", config={"base_url": fake.base_url}, credentials=credentials, rag_enabled=False
+    )
+    return connection.id
+
+
 async def search(setup: Setup, query: str, scope: list[str], **fields: Any) -> dict[str, Any]:
     response = await setup.client.post(
         "/v1/search", json={"query": query, "filters": {"connection_ids": scope}, **fields}
@@ -129,14 +139,14 @@ async def test_a_slow_platform_is_left_out_and_listed(
 ) -> None:
     fake_dingtalk.add("Retention runbook", "Shorten the retention.")
     fake_yuque.add_doc(fake_yuque.add_repo("eng/ops", "Operations"), "Retention policy", "Thirty days of retention.")
-    fake_yuque.search_delay_s = TIMEOUT_S * 4
+    fake_yuque.search_delay_s = TIMEOUT_S + 2
     ding, yuque = await dingtalk_connection(setup, fake_dingtalk), await yuque_connection(setup, fake_yuque)
 
     body = await search(setup, "retention", [setup.folder_id, ding, yuque])
 
     assert {result["platform"] for result in body["results"]} == {"folder", "dingtalk"}
     assert body["degraded"] == [
-        {"connection_id": yuque, "platform": "yuque", "reason": f"no answer within {TIMEOUT_S}s"}
+        {"connection_id": yuque, "platform": "yuque", "reason": f"no answer within {TIMEOUT_S:g}s"}
     ]
 
 
@@ -222,3 +232,21 @@ async def test_grpc_answers_the_mode_and_the_degraded_platforms(
 
     assert {(result.platform, result.mode) for result in answer.results} == {("folder", "rag"), ("dingtalk", "direct")}
     assert [(entry.connection_id, entry.platform) for entry in answer.degraded] == [(yuque, "yuque")]
+
+
+async def test_ima_notes_are_searched_in_every_base(setup: Setup, fake_ima: FakeIma) -> None:
+    research, ops = fake_ima.add_base("Research"), fake_ima.add_base("Ops")
+    paper = fake_ima.add(research, "Retention study", "How long users keep notes: retention curves.")
+    fake_ima.add(ops, "Unrelated", "Nothing to see.")
+    checklist = fake_ima.add(ops, "Retention checklist", "Check the retention of every topic.")
+    ima = await ima_connection(setup, fake_ima)
+
+    body = await search(setup, "retention", [ima])
+
+    found = {result["document_id"]: result for result in body["results"]}
+    assert set(found) == {
+        f"direct:{ima}:{research.kb_id}/{paper.media_id}",
+        f"direct:{ima}:{ops.kb_id}/{checklist.media_id}",
+    }
+    assert {result["knowledge_base"] for result in found.values()} == {"Research", "Ops"}
+    assert all(result["mode"] == "direct" and "<em>" not in result["preview"] for result in found.values())

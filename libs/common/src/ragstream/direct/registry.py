@@ -9,6 +9,7 @@ from pydantic import SecretStr
 
 from ragstream.direct.base import PlatformSearcher
 from ragstream.direct.dingtalk import DingTalkSearcher
+from ragstream.direct.ima import ImaSearcher
 from ragstream.direct.yuque import YuqueSearcher
 from ragstream.vendor_http import RetryPolicy
 
@@ -19,6 +20,7 @@ _Builder = Callable[..., PlatformSearcher]
 _BUILDERS: dict[str, _Builder] = {
     "dingtalk": DingTalkSearcher.from_connection,
     "yuque": YuqueSearcher.from_connection,
+    "ima": ImaSearcher.from_connection,
 }
 
 #: The platforms a connection with RAG off is searched live on.
