@@ -134,19 +134,27 @@ async def test_live_hits_are_merged_with_local_results(
     assert all(left["score"] >= right["score"] for left, right in itertools.pairwise(results))
 
 
+@pytest.mark.parametrize("slow", ["dingtalk", "yuque"])
 async def test_a_slow_platform_is_left_out_and_listed(
-    setup: Setup, fake_dingtalk: FakeDingTalk, fake_yuque: FakeYuque
+    setup: Setup, fake_dingtalk: FakeDingTalk, fake_yuque: FakeYuque, slow: str
 ) -> None:
     fake_dingtalk.add("Retention runbook", "Shorten the retention.")
     fake_yuque.add_doc(fake_yuque.add_repo("eng/ops", "Operations"), "Retention policy", "Thirty days of retention.")
-    fake_yuque.search_delay_s = TIMEOUT_S + 2
-    ding, yuque = await dingtalk_connection(setup, fake_dingtalk), await yuque_connection(setup, fake_yuque)
+    if slow == "dingtalk":
+        fake_dingtalk.search_delay_s = TIMEOUT_S + 2
+    else:
+        fake_yuque.search_delay_s = TIMEOUT_S + 2
+    ids = {
+        "dingtalk": await dingtalk_connection(setup, fake_dingtalk),
+        "yuque": await yuque_connection(setup, fake_yuque),
+    }
 
-    body = await search(setup, "retention", [setup.folder_id, ding, yuque])
+    body = await search(setup, "retention", [setup.folder_id, *ids.values()])
 
-    assert {result["platform"] for result in body["results"]} == {"folder", "dingtalk"}
+    (fast,) = set(ids) - {slow}
+    assert {result["platform"] for result in body["results"]} == {"folder", fast}
     assert body["degraded"] == [
-        {"connection_id": yuque, "platform": "yuque", "reason": f"no answer within {TIMEOUT_S:g}s"}
+        {"connection_id": ids[slow], "platform": slow, "reason": f"no answer within {TIMEOUT_S:g}s"}
     ]
 
 
@@ -250,3 +258,30 @@ async def test_ima_notes_are_searched_in_every_base(setup: Setup, fake_ima: Fake
     }
     assert {result["knowledge_base"] for result in found.values()} == {"Research", "Ops"}
     assert all(result["mode"] == "direct" and "<em>" not in result["preview"] for result in found.values())
+
+
+async def test_new_credentials_take_effect_at_the_next_search(setup: Setup, fake_yuque: FakeYuque) -> None:
+    fake_yuque.add_doc(fake_yuque.add_repo("eng/ops", "Operations"), "Retention policy", "Thirty days of retention.")
+    yuque = await yuque_connection(setup, fake_yuque, token="a-token-not-yet-valid")
+    refused = await search(setup, "retention", [yuque])
+
+    await setup.connections.update(yuque, credentials={"token": SecretStr(DEFAULT_TOKEN)})
+    accepted = await search(setup, "retention", [yuque])
+
+    assert refused["results"] == [] and [entry["connection_id"] for entry in refused["degraded"]] == [yuque]
+    assert [result["title"] for result in accepted["results"]] == ["Retention policy"] and accepted["degraded"] == []
+
+
+async def test_hits_are_filtered_by_knowledge_base_and_metadata(setup: Setup, fake_yuque: FakeYuque) -> None:
+    fake_yuque.add_doc(fake_yuque.add_repo("eng/ops", "Operations"), "Retention policy", "Thirty days of retention.")
+    fake_yuque.add_doc(fake_yuque.add_repo("eng/hr", "People"), "Retention bonus", "Retention of staff.")
+    yuque = await yuque_connection(setup, fake_yuque)
+
+    people = await search(
+        setup, "retention", [yuque], filters={"connection_ids": [yuque], "knowledge_bases": ["People"]}
+    )
+    tagged = await search(setup, "retention", [yuque], filters={"connection_ids": [yuque], "metadata": {"team": "ops"}})
+
+    assert [result["title"] for result in people["results"]] == ["Retention bonus"]
+    assert tagged["results"] == [] and tagged["degraded"] == []
+    assert [path for path, _, _ in fake_yuque.requests].count("/api/v2/search") == 1  # none for the metadata filter

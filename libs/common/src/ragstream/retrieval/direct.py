@@ -40,10 +40,6 @@ class DirectOutcome:
     results: list[LiveResults] = field(default_factory=list)
     degraded: list[DegradedPlatform] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not self.results and not self.degraded
-
 
 class DirectSearch:
     """Searchers are kept per connection (a DingTalk token lives two hours) and rebuilt when the

@@ -1,5 +1,6 @@
 """Search with direct search beside it: local hybrid retrieval and the live platform searches run
-concurrently, and their rankings are merged by Reciprocal Rank Fusion.
+concurrently, and their rankings are merged by Reciprocal Rank Fusion (the fused score replaces the
+local one only when there are live hits to merge).
 
 A live hit's document id is ``direct:<connection id>:<external id>``, so it keeps its citation
 number in a conversation like an indexed document. Without a live connection in scope the local
@@ -50,8 +51,8 @@ class SearchWithDirect:
             await asyncio.gather(live_task, return_exceptions=True)
             raise
         live = await live_task
-        if live.empty:
-            return local
+        if not live.results:  # nothing to merge: the local ranking and scores stand
+            return local.model_copy(update={"degraded": live.degraded}) if live.degraded else local
         results = merge_results(request, local.results, live, k=self._rrf_k)
         documents = list(dict.fromkeys(result.document_id for result in results))
         if request.conversation_id:
