@@ -122,7 +122,8 @@ async def test_concurrent_searches_on_a_small_pool_refreshing_the_layout_all_suc
     async with small_pool(database_url, acquire_timeout_s=60) as pool:
         retriever = retriever_on(pool, runtime)
         async with client_of(retriever, pool) as client:
-            answers = await asyncio.gather(*(client.post("/v1/search", json=QUERY) for _ in range(16)))
+            scoped = {**QUERY, "filters": {"connection_ids": [indexed]}}
+            answers = await asyncio.gather(*(client.post("/v1/search", json=scoped) for _ in range(16)))
             assert [answer.status_code for answer in answers] == [200] * 16
             assert all(answer.json()["results"][0]["source"] == "kafka.md" for answer in answers)
             assert (await client.post("/v1/search", json=QUERY)).status_code == 200

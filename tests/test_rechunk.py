@@ -409,8 +409,10 @@ async def test_patching_the_chunking_config_rechunks_in_the_background(
         assert (await client.patch(path, json={"config": {"chunking": NEW.model_dump()}})).status_code == 200
         assert (await client.get(f"{path}/rechunk")).json()["index_version"] == body["index_version"]
         markdown = MarkdownChunking().model_dump()
+        store.pause_at = len(store.stored) + 1  # the run holds its first document until cancelled
         started = await client.post(f"{path}/rechunk", json={"chunking": markdown})
         assert started.status_code == 202 and started.json()["index_version"] == body["index_version"] + 1
+        await asyncio.wait_for(store.paused.wait(), 60)
         assert (await client.delete(f"{path}/rechunk")).status_code == 204
         assert (await client.get(f"{path}/rechunk")).json()["status"] == "interrupted"
         assert (await client.delete(f"{path}/rechunk")).status_code == 404

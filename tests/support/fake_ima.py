@@ -2,9 +2,10 @@
 
 It serves what the connector calls, all JSON ``POST``: ``wiki/v1/search_knowledge_base``,
 ``get_knowledge_base``, ``get_knowledge_list`` (cursor lists ending in ``is_end``, folders with
-``current_path``), ``get_media_info`` (``notebook_ext_info`` for notes, ``url_info`` for files, whose
-download it also serves) and ``note/v1/get_doc_content``. Both headers are checked; the envelope is
-``{code, msg, data}`` or, when switched, ``{retcode, errmsg, data}``. Export (get_doc_content) is
+``current_path``), ``search_knowledge`` (``highlight_content`` snippets), ``get_media_info``
+(``notebook_ext_info`` for notes, ``url_info`` for files, whose download it also serves) and
+``note/v1/get_doc_content``. Both headers are checked; the envelope is ``{code, msg, data}`` or, when
+switched, ``{retcode, errmsg, data}``. Export (get_doc_content) is
 capped at 50 a minute, answered with code 110021, which can also be injected; 110030 answers a media
 item the key may not read and 220030 an export by a key without the export permission.
 
@@ -287,6 +288,30 @@ def create_app(fake: FakeIma) -> FastAPI:
                 folder = base.folders[folder][1]
         key = f"list:{base.kb_id}:{body.get('folder_id') or ''}"
         return listing(key, items, body, "knowledge_list", current_path=path)
+
+    @app.post("/openapi/wiki/v1/search_knowledge")
+    async def search_knowledge(request: Request) -> JSONResponse:
+        body, failed = await gate(request)
+        if failed:
+            return failed
+        query = str(body.get("query") or "")
+        with fake.lock:
+            base = fake.bases.get(str(body.get("knowledge_base_id")))
+            if base is None:
+                return envelope(110030, "no permission")
+            # ASSUMPTION: the answer's list key and ranking are undocumented; ``knowledge_list`` (as
+            # get_knowledge_list's), items whose title or content has any term, in the base's order.
+            items = [
+                {
+                    "media_id": media.media_id,
+                    "title": media.title,
+                    "parent_folder_id": media.folder_id,
+                    "highlight_content": f"<em>{query}</em> {media.content[:120]}",
+                }
+                for media in base.media.values()
+                if any(term in f"{media.title} {media.content}".lower() for term in query.lower().split())
+            ]
+        return listing(f"search:{base.kb_id}:{query}", items, body, "knowledge_list")
 
     @app.post("/openapi/wiki/v1/get_media_info")
     async def get_media_info(request: Request) -> JSONResponse:

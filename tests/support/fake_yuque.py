@@ -1,10 +1,10 @@
 """A local Yuque OpenAPI v2 (docs/platform-apis.md, Yuque) over real HTTP, with faults tests can inject.
 
 It serves what the connector calls under ``/api/v2``: the token's user, its groups, the Book repos of
-a user or group, one repo, a repo's docs (``offset``/``limit`` ≤ 100, ``meta.total``), its TOC, and
-one doc with ``body``, ``body_html`` and ``body_lake``. Every request needs ``X-Auth-Token`` (401
-otherwise) and a ``User-Agent``; a sliding window and injected faults answer HTTP 429 with the
-``X-RateLimit-*`` headers; a doc the token may not read answers 403, a missing one 404.
+a user or group, one repo, a repo's docs (``offset``/``limit`` ≤ 100, ``meta.total``), its TOC, one
+doc with ``body``, ``body_html`` and ``body_lake``, and the doc search (pages of 20). Every request
+needs ``X-Auth-Token`` (401 otherwise) and a ``User-Agent``; a sliding window and injected faults
+answer HTTP 429 with the ``X-RateLimit-*`` headers; a doc the token may not read answers 403, a missing one 404.
 
 Behaviour the sources do not document is chosen here and labelled ASSUMPTION, so a test never
 mistakes it for a fact about the real service.
@@ -14,6 +14,7 @@ Use the ``fake_yuque`` fixture (register with ``pytest_plugins = ["tests.support
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import re
@@ -34,6 +35,7 @@ __all__ = ["DEFAULT_TOKEN", "FakeDoc", "FakeRepo", "FakeYuque", "create_app", "f
 
 DEFAULT_TOKEN = "fake-yuque-token-0123456789abcdef"
 MAX_LIMIT = 100
+SEARCH_PAGE = 20
 USER = {"id": 1001, "login": "ada", "name": "Ada"}
 
 
@@ -114,6 +116,8 @@ class FakeYuque:
     limit: tuple[int, float] | None = None
     #: A misbehaving server, test-only: every list answers its first page whatever the offset.
     ignore_offset: bool = False
+    #: Seconds every search waits before it answers.
+    search_delay_s: float = 0.0
     requests: list[tuple[str, dict[str, str], dict[str, str]]] = field(default_factory=list)
     throttles: deque[int] = field(default_factory=deque)
     rate_limited: int = 0
@@ -162,6 +166,7 @@ class FakeYuque:
             self.repos.clear()
             self.limit = None
             self.ignore_offset = False
+            self.search_delay_s = 0.0
             self.requests.clear()
             self.throttles.clear()
             self._calls.clear()
@@ -310,6 +315,41 @@ def create_app(fake: FakeYuque) -> FastAPI:
                 for doc in repo.docs.values()
             ]
         return JSONResponse({"data": entries})
+
+    @app.get("/api/v2/search")
+    async def search(request: Request) -> JSONResponse:
+        if failed := gate(request):
+            return failed
+        with fake.lock:
+            delay = fake.search_delay_s
+        if delay:
+            await asyncio.sleep(delay)
+        query = request.query_params.get("q", "")
+        page = request.query_params.get("page", "1")
+        if not 1 <= len(query) <= 200 or not page.isdigit() or not 1 <= int(page) <= 100:
+            return _error(400, "invalid parameters")
+        scope = request.query_params.get("scope", "")
+        terms = query.lower().split()
+        with fake.lock:
+            # ASSUMPTION: the ranking is undocumented; docs whose title or body has any term, newest first.
+            hits = [
+                {
+                    "id": doc.id,
+                    "type": "doc",
+                    "title": doc.title,
+                    "summary": f"...<em>{query}</em> {doc.body[:120]}",
+                    "url": f"/{repo.namespace}/{doc.slug}",
+                    "info": repo.name,
+                    "target": {**doc.listed(repo.id), "book": repo.json()},
+                }
+                for repo in fake.repos.values()
+                if not scope or repo.namespace == scope or repo.namespace.startswith(scope + "/")
+                for doc in sorted(repo.docs.values(), key=lambda doc: -doc.updated)
+                if any(term in f"{doc.title} {doc.body}".lower() for term in terms)
+            ]
+        start = (int(page) - 1) * SEARCH_PAGE
+        meta = {"total": len(hits), "pageNo": int(page), "pageSize": SEARCH_PAGE}
+        return JSONResponse({"meta": meta, "data": hits[start : start + SEARCH_PAGE]})
 
     @app.get("/api/v2/repos/{group}/{book}/docs/{doc_id}")
     async def get_doc(group: str, book: str, doc_id: str, request: Request) -> JSONResponse:

@@ -30,6 +30,7 @@ from ragstream.credentials import CredentialCipher
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
+from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
@@ -79,7 +80,8 @@ async def serve(
     reindexer = runtime.reindexer()
     rechunker = runtime.rechunker()
     admission = SearchAdmission.from_settings(settings)
-    app = api_app(runtime, runs, runner, reindexer, rechunker, access=access, admission=admission)
+    searcher = runtime.searcher()
+    app = api_app(runtime, runs, runner, reindexer, rechunker, access=access, admission=admission, searcher=searcher)
     # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
     # equal timeouts a client reusing a connection races the server closing it, and a busy client,
     # slow to send its next request, gets the connection reset.
@@ -102,7 +104,7 @@ async def serve(
         )
     _keep_cleanup_after_sigterm()
     try:
-        async with _grpc(runtime, host, grpc_port, access, admission):
+        async with _grpc(runtime, searcher, host, grpc_port, access, admission):
             await server.serve()
     finally:
         for task in background:
@@ -111,6 +113,7 @@ async def serve(
         await runs.aclose()
         await reindexer.aclose()
         await rechunker.aclose()
+        await searcher.aclose()
 
 
 def _keep_cleanup_after_sigterm() -> None:
@@ -136,9 +139,11 @@ def api_app(
     *,
     access: Access,
     admission: SearchAdmission | None = None,
+    searcher: SearchWithDirect | None = None,
 ) -> FastAPI:
     """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
-    re-chunking and re-indexing."""
+    re-chunking and re-indexing. Search is ``searcher`` when given (live platforms beside the index),
+    else the hybrid retriever alone."""
 
     async def ready() -> bool:
         return await _ready(runtime)
@@ -173,7 +178,7 @@ def api_app(
         return embedder.model_key, embedder.dimension
 
     return create_app(
-        lambda: runtime.retriever,
+        (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
         ready=ready,
         sync_progress=lambda: runner.live,
         reader=lambda: reader,
@@ -202,7 +207,7 @@ def api_app(
 
 @contextlib.asynccontextmanager
 async def _grpc(
-    runtime: Runtime, host: str, port: int, access: Access, admission: SearchAdmission
+    runtime: Runtime, searcher: SearchWithDirect, host: str, port: int, access: Access, admission: SearchAdmission
 ) -> AsyncIterator[None]:
     """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
     if not port:
@@ -213,7 +218,7 @@ async def _grpc(
         return await _ready(runtime)
 
     async with grpc_server(
-        lambda: runtime.retriever,
+        lambda: searcher,
         host=host,
         port=port,
         ready=ready,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from ragstream.chunking import MarkdownChunking
+from ragstream.credentials import CredentialCipher
 from ragstream.embedding import Embedder, create_embedder
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
 from ragstream.embedding.spaces import ActiveSpace
@@ -19,14 +20,17 @@ from ragstream.pipeline import EmbeddedPipeline
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
+from ragstream.retrieval.direct import DirectSearch
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
 from ragstream.retrieval.rerank import DashScopeReranker, Reranker
+from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.settings import Settings
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import close_pool, connect_pool
+from ragstream.storage.direct_connections import DirectConnectionStore
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.rechunk import RechunkStore
@@ -74,6 +78,13 @@ class Runtime:
 
     def rechunker(self) -> Rechunker:
         return Rechunker(RechunkStore(self.pool), self.chunker, self.spaces)
+
+    def searcher(self) -> SearchWithDirect:
+        """Hybrid retrieval over the indexed connections, with the RAG-off connections in scope searched
+        live on their platforms at the same time; closed by its ``aclose``."""
+        cipher = CredentialCipher.from_settings(self.settings)
+        direct = DirectSearch(DirectConnectionStore(self.pool, cipher), timeout_s=self.settings.direct_search_timeout_s)
+        return SearchWithDirect(self.retriever, direct, CitationStore(self.pool), rrf_k=self.settings.rrf_k)
 
 
 @asynccontextmanager

@@ -281,6 +281,14 @@ class Settings(BaseSettings):
         float,
         Field(title="Weight of the Chinese character-bigram field in BM25", description="0 ranks by words only.", ge=0),
     ] = 0.5
+    direct_search_timeout_s: Annotated[
+        float,
+        Field(
+            title="Time a platform's live search may take",
+            description="For connections with RAG off; a platform slower than this is left out and listed as degraded.",
+            gt=0,
+        ),
+    ] = 30.0
     reranker: Annotated[
         Literal["none", "dashscope"],
         Field(

@@ -13,6 +13,7 @@ from ragstream.api.auth import Access
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
 from ragstream.retrieval.reader import DocumentReader
+from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
@@ -28,6 +29,7 @@ def create_app() -> FastAPI:
     access = Access.for_service(settings, "retriever")
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}
+    searchers: dict[str, SearchWithDirect] = {}
 
     admission = SearchAdmission.from_settings(settings)
 
@@ -39,7 +41,7 @@ def create_app() -> FastAPI:
         return True
 
     app = create_search_app(
-        lambda: state["runtime"].retriever if "runtime" in state else None,
+        lambda: searchers.get("searcher"),
         ready=ready,
         reader=lambda: readers.get("reader"),
         access=access,
@@ -55,13 +57,17 @@ def create_app() -> FastAPI:
             runtime = await stack.enter_async_context(open_runtime(settings, settings.database_url))
             await runtime.embedder.warm_up()
             state["runtime"] = runtime
+            searcher = runtime.searcher()
+            searchers["searcher"] = searcher
+            stack.push_async_callback(searcher.aclose)
+            stack.callback(searchers.clear)
             readers["reader"] = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
             stack.callback(state.clear)
             stack.callback(readers.clear)
             if settings.grpc_port:
                 await stack.enter_async_context(
                     grpc_server(
-                        lambda: runtime.retriever,
+                        lambda: searcher,
                         host=settings.grpc_host,
                         port=settings.grpc_port,
                         ready=ready,

@@ -117,6 +117,7 @@ def search_response(response: SearchResponse) -> retrieval_pb2.SearchResponse:
         reranked=response.reranked,
         embedding_space=response.embedding_space,
         embedding_spaces=response.embedding_spaces,
+        degraded=[retrieval_pb2.DegradedPlatform(**entry.model_dump()) for entry in response.degraded],
         took_ms=response.took_ms,
     )
 

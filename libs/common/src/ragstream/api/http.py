@@ -21,6 +21,7 @@ from ragstream.pipeline import SyncProgress
 from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
 from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
+from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.storable import Storable, StorableStr
 from ragstream.storage.database import DatabaseBusy
 
@@ -28,7 +29,7 @@ __all__ = ["create_app"]
 
 
 def create_app(
-    retriever: Callable[[], HybridRetriever | None],
+    retriever: Callable[[], HybridRetriever | SearchWithDirect | None],
     *,
     ready: Callable[[], Awaitable[bool]],
     sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,

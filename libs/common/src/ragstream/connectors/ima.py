@@ -207,6 +207,14 @@ class ImaClient:
             body["folder_id"] = folder_id
         return self._cursor(f"{WIKI}/get_knowledge_list", body, "knowledge_list")
 
+    async def search_knowledge(self, query: str, kb_id: str) -> list[dict[str, Any]]:
+        """The first page of a base's items matching ``query``, each with a ``highlight_content``
+        snippet. ASSUMPTION: the list's key is undocumented; ``knowledge_list``, as in listings."""
+        data = await self._post(
+            f"{WIKI}/search_knowledge", {"query": query, "knowledge_base_id": kb_id, "cursor": ""}, "wiki"
+        )
+        return [item for item in data.get("knowledge_list") or [] if isinstance(item, dict)]
+
     async def media_info(self, media_id: str) -> dict[str, Any]:
         return await self._post(f"{WIKI}/get_media_info", {"media_id": media_id}, "wiki")
 

@@ -63,6 +63,8 @@ PAGE_SIZE = 100
 PRIVATE, PUBLIC, ENTERPRISE_PUBLIC = 0, 1, 2
 #: A document body longer than this is refused before any conversion (a parser's size budget).
 MAX_BODY_CHARS = 20_000_000
+#: ``q`` of ``GET /search`` is at most this long.
+MAX_SEARCH_CHARS = 200
 
 _NAMESPACE = re.compile(r"^[^/\s]+/[^/\s]+$")
 
@@ -167,6 +169,15 @@ class YuqueClient:
         if not isinstance(data, dict):
             raise YuqueError(f"doc {namespace}/{doc_id}: the answer has no data", retryable=False)
         return data
+
+    async def search(self, query: str, *, page: int = 1, scope: str | None = None) -> list[dict[str, Any]]:
+        """One page (20, fixed) of the docs matching ``query`` (cut to the documented 200 characters),
+        within ``scope`` (a group or ``group/book``) when given."""
+        params = {"q": query[:MAX_SEARCH_CHARS], "type": "doc", "page": str(page)}
+        if scope is not None:
+            params["scope"] = scope
+        data = (await self._body("/search", params)).get("data")
+        return [hit for hit in data if isinstance(hit, dict)] if isinstance(data, list) else []
 
     async def _pages(self, path: str, params: Mapping[str, str]) -> AsyncIterator[dict[str, Any]]:
         """Every item: ``offset`` moves by the page's length until ``meta.total`` (when the list has

@@ -8,9 +8,22 @@ from pydantic import BaseModel, Field
 
 from ragstream.storable import Storable, StorableStr
 
-__all__ = ["ChatTurn", "MetadataValue", "Principal", "SearchFilters", "SearchRequest", "SearchResponse", "SearchResult"]
+__all__ = [
+    "ChatTurn",
+    "DegradedPlatform",
+    "MetadataValue",
+    "Principal",
+    "ResultMode",
+    "SearchFilters",
+    "SearchRequest",
+    "SearchResponse",
+    "SearchResult",
+]
 
 MetadataValue = StorableStr | int | float | bool
+
+ResultMode = Literal["rag", "direct"]
+"""``rag``: a chunk of the local index; ``direct``: a live hit of a platform's own search."""
 
 
 class Principal(BaseModel):
@@ -85,6 +98,20 @@ class SearchResult(BaseModel):
             description="The model key its vector leg searched: the connection's own model, else the default.",
         ),
     ] = None
+    mode: Annotated[
+        ResultMode,
+        Field(
+            title="Where the result comes from", description="rag: the local index; direct: a platform's live search."
+        ),
+    ] = "rag"
+
+
+class DegradedPlatform(BaseModel):
+    """A direct-search connection whose live results are missing from this response, and why."""
+
+    connection_id: str
+    platform: str
+    reason: Annotated[str, Field(title="Why", description="A timeout or the platform's error, without secrets.")]
 
 
 class SearchResponse(BaseModel):
@@ -107,5 +134,9 @@ class SearchResponse(BaseModel):
             description="One vector leg per model of the connections in scope (each its own connections), "
             "the default space first.",
         ),
+    ] = []
+    degraded: Annotated[
+        list[DegradedPlatform],
+        Field(title="Direct-search connections left out", description="Slow or failing: the search went on without."),
     ] = []
     took_ms: float

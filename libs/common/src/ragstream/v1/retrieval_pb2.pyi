@@ -301,6 +301,7 @@ class SearchResult(_message.Message):
     VECTOR_RANK_FIELD_NUMBER: _builtins.int
     KEYWORD_RANK_FIELD_NUMBER: _builtins.int
     EMBEDDING_SPACE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     """1-based rank after fusion (and rerank)."""
     score: _builtins.float
@@ -332,6 +333,8 @@ class SearchResult(_message.Message):
     """Rank in the keyword leg; unset when the keyword leg did not return this chunk."""
     embedding_space: _builtins.str
     """Embedding space (model key) of the chunk's connection: the vector leg that searched it."""
+    mode: _builtins.str
+    """Where the result comes from: "rag" (the local index) or "direct" (a platform's live search)."""
     def __init__(
         self,
         *,
@@ -352,10 +355,11 @@ class SearchResult(_message.Message):
         vector_rank: _builtins.int | None = ...,
         keyword_rank: _builtins.int | None = ...,
         embedding_space: _builtins.str | None = ...,
+        mode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "embedding_space", b"embedding_space", "keyword_rank", b"keyword_rank", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "chunk_id", b"chunk_id", "citation_index", b"citation_index", "connection_id", b"connection_id", "document_id", b"document_id", "embedding_space", b"embedding_space", "heading", b"heading", "keyword_rank", b"keyword_rank", "knowledge_base", b"knowledge_base", "platform", b"platform", "preview", b"preview", "rank", b"rank", "score", b"score", "source", b"source", "text", b"text", "title", b"title", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_keyword_rank", b"_keyword_rank", "_url", b"_url", "_vector_rank", b"_vector_rank", "chunk_id", b"chunk_id", "citation_index", b"citation_index", "connection_id", b"connection_id", "document_id", b"document_id", "embedding_space", b"embedding_space", "heading", b"heading", "keyword_rank", b"keyword_rank", "knowledge_base", b"knowledge_base", "mode", b"mode", "platform", b"platform", "preview", b"preview", "rank", b"rank", "score", b"score", "source", b"source", "text", b"text", "title", b"title", "url", b"url", "vector_rank", b"vector_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__embedding_space: _TypeAlias = _typing.Literal["embedding_space"]  # noqa: Y015
     _WhichOneofArgType__embedding_space: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space"]  # noqa: Y015
@@ -377,6 +381,34 @@ class SearchResult(_message.Message):
 Global___SearchResult: _TypeAlias = SearchResult  # noqa: Y015
 
 @_typing.final
+class DegradedPlatform(_message.Message):
+    """A direct-search connection whose live results are missing from the response, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONNECTION_ID_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    connection_id: _builtins.str
+    platform: _builtins.str
+    reason: _builtins.str
+    """A timeout or the platform's error, without secrets."""
+    def __init__(
+        self,
+        *,
+        connection_id: _builtins.str = ...,
+        platform: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connection_id", b"connection_id", "platform", b"platform", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DegradedPlatform: _TypeAlias = DegradedPlatform  # noqa: Y015
+
+@_typing.final
 class SearchResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -387,6 +419,7 @@ class SearchResponse(_message.Message):
     EMBEDDING_SPACE_FIELD_NUMBER: _builtins.int
     TOOK_MS_FIELD_NUMBER: _builtins.int
     EMBEDDING_SPACES_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The query as sent."""
     rewritten_query: _builtins.str
@@ -407,6 +440,10 @@ class SearchResponse(_message.Message):
     def embedding_spaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Every space searched: one vector leg per model of the connections in scope, the default first."""
 
+    @_builtins.property
+    def degraded(self) -> _containers.RepeatedCompositeFieldContainer[Global___DegradedPlatform]:
+        """Direct-search connections left out (slow or failing); the search went on without them."""
+
     def __init__(
         self,
         *,
@@ -417,10 +454,11 @@ class SearchResponse(_message.Message):
         embedding_space: _builtins.str | None = ...,
         took_ms: _builtins.float = ...,
         embedding_spaces: _abc.Iterable[_builtins.str] | None = ...,
+        degraded: _abc.Iterable[Global___DegradedPlatform] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "rewritten_query", b"rewritten_query"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "degraded", b"degraded", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__embedding_space: _TypeAlias = _typing.Literal["embedding_space"]  # noqa: Y015
     _WhichOneofArgType__embedding_space: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space"]  # noqa: Y015
