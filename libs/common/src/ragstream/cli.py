@@ -28,7 +28,7 @@ from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
-from ragstream.runtime import Runtime, open_runtime, resolve_database
+from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
 from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
@@ -401,7 +401,14 @@ def up(
     from ragstream.embedded import serve
 
     paths = [path.resolve() for path in [*(folders or []), *(source or [])]]
-    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port))
+
+    async def main() -> None:
+        settings = Settings()
+        # The embedded server is handed to serve(), which starts it again if it dies.
+        async with open_database(settings) as database, open_runtime(settings, database.dsn) as runtime:
+            await serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port, embedded=database.embedded)
+
+    asyncio.run(main())
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import HTTPException
+from typing_extensions import override
 
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
@@ -20,7 +23,7 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.runs import CONNECTION_ERRORS, SyncInProgress, SyncRunStore, Trigger
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.retrieval.reader import DocumentReader
@@ -28,6 +31,8 @@ from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.embedded_postgres import EmbeddedPostgres
+from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
@@ -35,11 +40,19 @@ __all__ = ["serve"]
 
 
 async def serve(
-    runtime: Runtime, sources: list[Path], host: str, port: int, sync_interval: float, *, grpc_port: int
+    runtime: Runtime,
+    sources: list[Path],
+    host: str,
+    port: int,
+    sync_interval: float,
+    *,
+    grpc_port: int,
+    embedded: EmbeddedPostgres | None = None,
 ) -> None:
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
     seconds (0: only now) through sync runs, like any connection created over the API. The HTTP API
-    listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC)."""
+    listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC). The ``embedded``
+    PostgreSQL, if given, is started again should it die. SIGTERM and SIGINT stop it all."""
     settings = runtime.settings
     cipher = CredentialCipher.from_settings(settings)
     runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s, cipher=cipher)
@@ -55,8 +68,16 @@ async def serve(
         with contextlib.suppress(SyncInProgress):  # another process syncs it already
             await runs.start(connection_id, "cli")
 
+    supervisor = EmbeddedSupervisor(embedded) if embedded is not None else None
+
     async def ready() -> bool:
-        return bool(await runtime.pool.fetchval("SELECT true"))
+        """True when the database answers; else an HTTP 503 that says why."""
+        if supervisor is not None and supervisor.down:
+            raise HTTPException(status_code=503, detail=supervisor.down)
+        try:
+            return bool(await runtime.pool.fetchval("SELECT true"))
+        except CONNECTION_ERRORS as error:
+            raise HTTPException(status_code=503, detail=f"the database is unavailable: {error}") from error
 
     def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
         """A connection created with RAG on, or switched back on, is synced in full right away."""
@@ -110,8 +131,10 @@ async def serve(
         ],
         title="ragstream",
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10))
     background = [asyncio.create_task(runner.serve())]
+    if supervisor is not None:
+        background.append(asyncio.create_task(supervisor.run()))
     if settings.scheduler_enabled:
         background.append(
             asyncio.create_task(
@@ -128,6 +151,26 @@ async def serve(
         await runs.aclose()
         await reindexer.aclose()
         await rechunker.aclose()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a SIGTERM or SIGINT only ends ``serve()``: uvicorn raises the signal
+    again afterwards, whose default action would kill the process before the cleanup (runs failed as
+    cancelled, the embedded PostgreSQL stopped) has run."""
+
+    @override
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        stops = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 @contextlib.asynccontextmanager
