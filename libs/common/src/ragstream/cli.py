@@ -28,7 +28,7 @@ from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
-from ragstream.runtime import Runtime, open_runtime, resolve_database
+from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
 from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
@@ -411,7 +411,23 @@ def up(
         raise typer.Exit(2) from None
     console.print(f"ragstream up: HTTP {host}:{port}, gRPC {grpc_port or 'off'}; {access.describe()}", highlight=False)
     paths = [path.resolve() for path in [*(folders or []), *(source or [])]]
-    _run(lambda runtime: serve(runtime, paths, host, port, sync_interval, grpc_port=grpc_port, access=access))
+
+    async def main() -> None:
+        settings = Settings()
+        # The embedded server is handed to serve(), which starts it again if it dies.
+        async with open_database(settings) as database, open_runtime(settings, database.dsn) as runtime:
+            await serve(
+                runtime,
+                paths,
+                host,
+                port,
+                sync_interval,
+                grpc_port=grpc_port,
+                access=access,
+                embedded=database.embedded,
+            )
+
+    asyncio.run(main())
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
+from typing_extensions import override
 
 from ragstream.api.admission import SearchAdmission
 from ragstream.api.auth import Access
@@ -34,8 +35,10 @@ from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
-from ragstream.storage.database import ping
+from ragstream.storage.database import DatabaseUnavailable, ping
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.embedded_postgres import EmbeddedPostgres
+from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
@@ -53,11 +56,13 @@ async def serve(
     *,
     grpc_port: int,
     access: Access,
+    embedded: EmbeddedPostgres | None = None,
 ) -> None:
     """Each source folder becomes a ``folder`` connection synced now and then every ``sync_interval``
     seconds (0: only now) through sync runs, like any connection created over the API. The HTTP API
     listens on ``host:port``, the gRPC API on ``host:grpc_port`` (0: no gRPC), both behind ``access``
-    (``Access.for_embedded`` checks the host first)."""
+    (``Access.for_embedded`` checks the host first). The ``embedded`` PostgreSQL, if given, is started
+    again should it die. SIGTERM and SIGINT stop it all."""
     settings = runtime.settings
     runs = SyncRunStore(
         runtime.pool,
@@ -81,11 +86,22 @@ async def serve(
     rechunker = runtime.rechunker()
     admission = SearchAdmission.from_settings(settings)
     searcher = runtime.searcher()
-    app = api_app(runtime, runs, runner, reindexer, rechunker, access=access, admission=admission, searcher=searcher)
+    supervisor = EmbeddedSupervisor(embedded) if embedded is not None else None
+    app = api_app(
+        runtime,
+        runs,
+        runner,
+        reindexer,
+        rechunker,
+        access=access,
+        admission=admission,
+        searcher=searcher,
+        supervisor=supervisor,
+    )
     # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
     # equal timeouts a client reusing a connection races the server closing it, and a busy client,
     # slow to send its next request, gets the connection reset.
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=host,
@@ -96,15 +112,16 @@ async def serve(
         )
     )
     background = [asyncio.create_task(runner.serve())]
+    if supervisor is not None:
+        background.append(asyncio.create_task(supervisor.run()))
     if settings.scheduler_enabled:
         background.append(
             asyncio.create_task(
                 Scheduler(runtime.dsn, runs, interval_s=settings.scheduler_interval_s, on_enqueued=runner.wake).run()
             )
         )
-    _keep_cleanup_after_sigterm()
     try:
-        async with _grpc(runtime, searcher, host, grpc_port, access, admission):
+        async with _grpc(runtime, searcher, host, grpc_port, access, admission, supervisor):
             await server.serve()
     finally:
         for task in background:
@@ -116,16 +133,31 @@ async def serve(
         await searcher.aclose()
 
 
-def _keep_cleanup_after_sigterm() -> None:
-    """uvicorn handles SIGTERM while it serves, then raises it again once it has shut down; with the
-    default action that kills the process before the gRPC server, the pool and the embedded
-    PostgreSQL are stopped. Ignored from here on, the shutdown the signal started runs to its end."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a SIGTERM or SIGINT only ends ``serve()``: uvicorn raises the signal
+    again afterwards, whose default action would kill the process before the cleanup (runs failed as
+    cancelled, the gRPC server, the pool and the embedded PostgreSQL stopped) has run."""
+
+    @override
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        stops = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
-async def _ready(runtime: Runtime) -> bool:
-    """Raises ``DatabaseBusy`` (or a connection error) when the pool cannot serve in time."""
+async def _ready(runtime: Runtime, supervisor: EmbeddedSupervisor | None) -> bool:
+    """Raises ``DatabaseUnavailable`` while the embedded PostgreSQL is being restarted, ``DatabaseBusy``
+    (or a connection error) when the pool cannot serve in time."""
+    if supervisor is not None and supervisor.down:
+        raise DatabaseUnavailable(supervisor.down)
     await ping(runtime.pool, runtime.settings.readiness_timeout_s)
     return True
 
@@ -140,13 +172,14 @@ def api_app(
     access: Access,
     admission: SearchAdmission | None = None,
     searcher: SearchWithDirect | None = None,
+    supervisor: EmbeddedSupervisor | None = None,
 ) -> FastAPI:
     """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
     re-chunking and re-indexing. Search is ``searcher`` when given (live platforms beside the index),
     else the hybrid retriever alone."""
 
     async def ready() -> bool:
-        return await _ready(runtime)
+        return await _ready(runtime, supervisor)
 
     def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
         """A connection created with RAG on, or switched back on, is synced in full right away."""
@@ -207,7 +240,13 @@ def api_app(
 
 @contextlib.asynccontextmanager
 async def _grpc(
-    runtime: Runtime, searcher: SearchWithDirect, host: str, port: int, access: Access, admission: SearchAdmission
+    runtime: Runtime,
+    searcher: SearchWithDirect,
+    host: str,
+    port: int,
+    access: Access,
+    admission: SearchAdmission,
+    supervisor: EmbeddedSupervisor | None,
 ) -> AsyncIterator[None]:
     """The gRPC API beside the HTTP one while the block runs, unless ``port`` is 0."""
     if not port:
@@ -215,7 +254,7 @@ async def _grpc(
         return
 
     async def ready() -> bool:
-        return await _ready(runtime)
+        return await _ready(runtime, supervisor)
 
     async with grpc_server(
         lambda: searcher,

@@ -37,7 +37,15 @@ from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import SpaceStore
 
-__all__ = ["Runtime", "create_rephraser", "create_reranker", "open_runtime", "resolve_database"]
+__all__ = [
+    "Database",
+    "Runtime",
+    "create_rephraser",
+    "create_reranker",
+    "open_database",
+    "open_runtime",
+    "resolve_database",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +95,35 @@ class Runtime:
         return SearchWithDirect(self.retriever, direct, CitationStore(self.pool), rrf_k=self.settings.rrf_k)
 
 
+@dataclass(frozen=True, slots=True)
+class Database:
+    """The database a process uses: its DSN, and the embedded server when it is one (``ragstream
+    up`` watches it and starts it again if it dies)."""
+
+    dsn: str
+    embedded: EmbeddedPostgres | None = None
+
+
 @asynccontextmanager
-async def resolve_database(settings: Settings) -> AsyncIterator[str]:
-    """``DATABASE_URL`` when set, else the embedded PostgreSQL under the data folder, stopped on exit."""
+async def open_database(settings: Settings) -> AsyncIterator[Database]:
+    """``DATABASE_URL`` when set, else the embedded PostgreSQL under the data folder: the one another
+    process already runs there, or one started now and stopped on exit unless others still use it."""
     if settings.database_url:
-        yield settings.database_url
+        yield Database(settings.database_url)
         return
     server = EmbeddedPostgres(settings.data_dir / "postgres")
     dsn = server.start()
     try:
-        yield dsn
+        yield Database(dsn, server)
     finally:
         server.stop()
+
+
+@asynccontextmanager
+async def resolve_database(settings: Settings) -> AsyncIterator[str]:
+    """The DSN of ``open_database``."""
+    async with open_database(settings) as database:
+        yield database.dsn
 
 
 def create_reranker(settings: Settings) -> Reranker | None:

@@ -23,7 +23,7 @@ from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.storable import Storable, StorableStr
-from ragstream.storage.database import DatabaseBusy
+from ragstream.storage.database import DatabaseBusy, DatabaseUnavailable
 
 __all__ = ["create_app"]
 
@@ -93,7 +93,7 @@ def create_app(
             if await ready():
                 return {"status": "ready"}
             status = {"status": "starting"}
-        except DatabaseBusy as error:
+        except (DatabaseBusy, DatabaseUnavailable) as error:
             status = {"status": "unavailable", "reason": str(error)}
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
             status = {"status": "unavailable", "reason": "the database cannot be reached"}

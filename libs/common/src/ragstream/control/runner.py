@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 _Result = TypeVar("_Result")
 
+# How long a run whose database went away keeps trying to record how it ended, and how often.
+_FINISH_PATIENCE_S = 120.0
+_FINISH_RETRY_S = 1.0
+
 
 def failure_reason(error: BaseException) -> str:
     """The reason stored on a failed run: our own errors say it all, others name their type."""
@@ -120,7 +124,10 @@ class RunExecution:
                 with contextlib.suppress(asyncio.CancelledError):
                     await writer
         except asyncio.CancelledError:
-            await self._finish(RunStatus.FAILED, "cancelled: the process stopped", self.progress)
+            with contextlib.suppress(*CONNECTION_ERRORS):  # the database is gone too: reap fails the run
+                await self._runs.finish(
+                    run.id, RunStatus.FAILED, "cancelled: the process stopped", self.progress.counts, self.progress.rate
+                )
             raise
         except Exception as error:  # any failure ends the run failed, with its reason, never syncing
             logger.warning("sync run %s of %s failed", run.id, run.connection_id, exc_info=True)
@@ -128,7 +135,19 @@ class RunExecution:
         return await self._finish(RunStatus.READY, None, final(result)), result
 
     async def _finish(self, status: RunStatus, reason: str | None, progress: RunProgress) -> SyncRun | None:
-        return await self._runs.finish(self.run.id, status, reason, progress.counts, progress.rate)
+        """End the run; while the database is unreachable (it failed the sync, maybe, and is being
+        restarted), try again for ``_FINISH_PATIENCE_S``. Then give up: the run's owner session is
+        gone with the database, so the next reap fails it as ownerless."""
+        deadline = asyncio.get_running_loop().time() + _FINISH_PATIENCE_S
+        while True:
+            try:
+                return await self._runs.finish(self.run.id, status, reason, progress.counts, progress.rate)
+            except CONNECTION_ERRORS as error:
+                if asyncio.get_running_loop().time() > deadline:
+                    logger.warning("sync run %s not finished, the database stays unreachable: %s", self.run.id, error)
+                    return None
+                logger.info("sync run %s: finishing waits for the database: %s", self.run.id, error)
+            await asyncio.sleep(_FINISH_RETRY_S)
 
     async def _write_progress(self, work: asyncio.Task[Any]) -> None:
         last = RunCounts()
@@ -210,6 +229,8 @@ class SyncRunner:
 
     def _finished(self, task: asyncio.Task[RunOutcome]) -> None:
         self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.error("sync run task failed", exc_info=error)
         self.wake()  # a slot is free
 
     async def execute(self, run: SyncRun, observe: Callable[[SyncProgress], None] | None = None) -> RunOutcome:

@@ -11,7 +11,7 @@ import asyncpg
 from asyncpg.pool import PoolAcquireContext
 from pgvector.asyncpg import register_vector
 
-__all__ = ["DatabaseBusy", "apply_migrations", "close_pool", "connect_pool", "ping"]
+__all__ = ["DatabaseBusy", "DatabaseUnavailable", "apply_migrations", "close_pool", "connect_pool", "ping"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,10 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
 class DatabaseBusy(TimeoutError):
     """The database could not serve in time: no pool connection within the acquire timeout, or a
     statement cancelled by its ``statement_timeout``. Transient: the API answers 503 with Retry-After."""
+
+
+class DatabaseUnavailable(ConnectionError):
+    """The database is down for now (the embedded PostgreSQL being restarted); the message says why."""
 
 
 class _BoundedAcquire(PoolAcquireContext):  # type: ignore[misc]  # asyncpg ships no types

@@ -1,14 +1,25 @@
-"""A private PostgreSQL 16 + pgvector server for ``ragstream up`` and the test suite.
+"""A private PostgreSQL 16 + pgvector server for ``ragstream up``, the other commands and the test suite.
 
 Runs the binaries bundled in the ``pgserver`` wheel (initdb, pg_ctl, postgres, psql)
 directly, not pgserver's Python API: run as root, that creates users and chmods parent
 folders. PostgreSQL refuses to run as root, so as root the server runs as an
 unprivileged account through ``setpriv``, from a copy of the binaries that account can
 read (a virtualenv under /root is not readable).
+
+Several processes share one cluster: whoever finds it stopped starts it, the others use it,
+and the last one to stop shuts it down. Two ``flock`` files in the cluster folder decide:
+``ragstream.lock`` (exclusive while a process starts or stops the server) and
+``ragstream.users`` (shared by every process using the server, for its lifetime). The kernel
+drops both when a process dies, so a server left by a killed process is reused.
+
+The server only accepts the password in ``ragstream.password`` (scram-sha-256, mode 0600):
+no trust lines, over TCP or the socket.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -16,6 +27,7 @@ import importlib.util
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -23,6 +35,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -36,9 +49,25 @@ _RELOCATED = Path("/var/lib/ragstream/clusters")
 _RUN_AS = ("ragstream", "nobody")
 # Included by postgresql.conf, rewritten on each start (port, socket path may change).
 _CONF = "ragstream.conf"
+_INCLUDE = f"include_if_exists = '{_CONF}'"
+_START_LOCK = "ragstream.lock"
+_USERS_LOCK = "ragstream.users"
+_PASSWORD = "ragstream.password"
+# initdb runs here; its files move into the cluster folder once configured, PG_VERSION last.
+_STAGING = ".ragstream-initdb"
+_LOG = "postgres.log"
+# Ours, not the cluster's: they may exist before the cluster does.
+_OWN_FILES = {_START_LOCK, _USERS_LOCK, _PASSWORD, _STAGING, _LOG}
 _SUPERUSER = "postgres"
-_INITDB_OPTIONS = ["--auth=trust", f"--username={_SUPERUSER}", "--encoding=UTF8"]
+_INITDB_OPTIONS = ["--auth=scram-sha-256", f"--username={_SUPERUSER}", "--encoding=UTF8"]
 _INITDB_OPTIONS += ["--locale=C", "--no-instructions"]
+_HBA = (
+    "# Written by ragstream: the password in ragstream.password, never trust.\n"
+    "local all all scram-sha-256\n"
+    "host all all 127.0.0.1/32 scram-sha-256\n"
+)
+# How long a start waits for another process that starts or stops the same server.
+_LOCK_TIMEOUT_S = 180.0
 
 
 class EmbeddedPostgresError(RuntimeError):
@@ -46,17 +75,19 @@ class EmbeddedPostgresError(RuntimeError):
 
 
 class EmbeddedPostgres:
-    """One cluster in ``data_dir`` on 127.0.0.1, trust auth: made once, then reused."""
+    """One cluster in ``data_dir`` on 127.0.0.1, password auth: made once, then reused, and shared
+    with the other processes that use the same ``data_dir``."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         # Resolved: a running server is recognised by this path in its command line.
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self._running_port: int | None = None
+        self._users: int | None = None  # the fd holding our shared lock on the users file
         self._account = _unprivileged_account() if os.geteuid() == 0 else None
         if self._account:
             self.data_dir = _reachable_cluster_dir(self.data_dir)
-        self._log = self.data_dir / "postgres.log"
+        self._log = self.data_dir / _LOG
         self._setpriv: list[str] = []
         if self._account:
             user, group = self._account
@@ -68,48 +99,61 @@ class EmbeddedPostgres:
 
     @property
     def dsn(self) -> str:
-        """The asyncpg/libpq URL of the running server."""
+        """The asyncpg/libpq URL of the running server, with its password."""
         if self._running_port is None:
             raise EmbeddedPostgresError("EmbeddedPostgres is not started")
-        return f"postgresql://{_SUPERUSER}@127.0.0.1:{self._running_port}/postgres"
+        return f"postgresql://{_SUPERUSER}:{self._password()}@127.0.0.1:{self._running_port}/postgres"
 
     def start(self) -> str:
-        """Create the cluster if needed, start it, ensure pgvector; return the DSN."""
+        """Use the server of this cluster if one runs, else create the cluster if needed and start
+        it; ensure pgvector; return the DSN. The server stays up while this object is started."""
         if self._running_port is not None:
             return self.dsn
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self._account:
             self._check_reachable()
             _chown_tree(self.data_dir, *self._account)
-        if not (self.data_dir / "PG_VERSION").exists():
-            if any(self.data_dir.iterdir()):
-                raise EmbeddedPostgresError(f"{self.data_dir}: not empty, no cluster")
-            self._run("initdb", "-D", str(self.data_dir), *_INITDB_OPTIONS)
-            with (self.data_dir / "postgresql.conf").open("a") as conf:
-                conf.write(f"\ninclude_if_exists = '{_CONF}'\n")
-        self._shutdown()  # a server left running by a process that died
-        # After a crash (kill -9) the lock files name a dead, zombie or reused pid.
-        pid_file = self.data_dir / "postmaster.pid"
-        for lock in [pid_file, *self.data_dir.glob(".s.PGSQL.*")]:
-            lock.unlink(missing_ok=True)
-        port = self.port or _free_port(self._configured_port())
-        socket_dir = str(self.data_dir).replace("'", "''")
-        (self.data_dir / _CONF).write_text(
-            f"port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{socket_dir}'\nfsync = on\n"
-        )
-        self._run("pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w")
-        self._running_port = port
-        where = ["-h", "127.0.0.1", "-p", str(port), "-U", _SUPERUSER, "-d", "postgres"]
-        sql = "CREATE EXTENSION IF NOT EXISTS vector"
-        self._run("psql", "-Xq", "-v", "ON_ERROR_STOP=1", *where, "-c", sql)
+        with self._exclusive() as lock:
+            self._prepare_cluster(lock)
+            port = self._serving_port(shared=self._used_by_others())
+            if port is None:
+                port = self._launch(self.port or _free_port(self._configured_port()))
+            # Never waits: only a stop holding the start lock, which we hold, takes it exclusively.
+            self._users = self._open_lock(_USERS_LOCK)
+            fcntl.flock(self._users, fcntl.LOCK_SH)
+            self._running_port = port
+            try:
+                self._secure()
+                self._psql("CREATE EXTENSION IF NOT EXISTS vector")
+            except BaseException:
+                self._release()
+                raise
         return self.dsn
 
     def stop(self) -> None:
-        """Fast shutdown (open transactions roll back); a no-op when not started."""
-        if self._running_port is None:
+        """Stop using the server; shut it down (fast: open transactions roll back) unless another
+        process still uses it. A no-op when not started."""
+        if self._running_port is None or self._users is None:
             return
-        self._running_port = None
-        self._shutdown()
+        with self._exclusive():
+            self._release()
+            if not self._used_by_others():  # else the last process using it shuts it down
+                self._shutdown()
+
+    def alive(self) -> bool:
+        """The server of this cluster is running (cheap: reads /proc)."""
+        return self._postmaster_pid() is not None
+
+    def restart(self) -> None:
+        """Start the server again after it died, on the same port, so that the DSN stays valid."""
+        if self._running_port is None:
+            raise EmbeddedPostgresError("EmbeddedPostgres is not started")
+        with self._exclusive():
+            port = self._serving_port(shared=True)  # another process may have restarted it meanwhile
+            if port is None:
+                port = self._launch(self._running_port)
+            if port != self._running_port:
+                raise EmbeddedPostgresError(f"the server now listens on {port}, not {self._running_port}")
 
     def __enter__(self) -> Self:
         self.start()
@@ -117,6 +161,169 @@ class EmbeddedPostgres:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    def _release(self) -> None:
+        self._running_port = None
+        if self._users is not None:
+            os.close(self._users)
+            self._users = None
+
+    def _used_by_others(self) -> bool:
+        """Another live process holds the users lock (call without holding ours)."""
+        probe = self._open_lock(_USERS_LOCK)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(probe)
+        return False
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[int]:
+        """Hold the start lock: one process at a time starts, stops or repairs the server."""
+        fd = self._open_lock(_START_LOCK)
+        try:
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        message = f"another process has been starting or stopping the server for {_LOCK_TIMEOUT_S:.0f}s"
+                        raise self._error(message) from None
+                    time.sleep(0.1)
+            yield fd
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _open_lock(self, name: str) -> int:
+        """A lock file's fd. flock needs only read access, so root and the server account can both
+        lock a file either of them made."""
+        fd = os.open(self.data_dir / name, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if self._account and os.fstat(fd).st_uid != self._account[0]:
+            os.fchown(fd, *self._account)
+        return fd
+
+    def _prepare_cluster(self, lock: int) -> None:
+        """Make the cluster if there is none, after clearing what an interrupted first start left;
+        repair the include of ``ragstream.conf`` that older versions could miss, and give a cluster
+        made without a password one (``_secure`` sets it)."""
+        staging = self.data_dir / _STAGING
+        if not (self.data_dir / "PG_VERSION").exists():
+            if staging.exists():  # a first start was interrupted: everything else is initdb's
+                for path in self.data_dir.iterdir():
+                    if path.name not in _OWN_FILES or path.name == _STAGING:
+                        _remove(path)
+            if any(path.name not in _OWN_FILES for path in self.data_dir.iterdir()):
+                raise EmbeddedPostgresError(f"{self.data_dir}: not empty, no cluster")
+            self._create_cluster(staging, lock)
+        _remove(staging)  # the last move done, the folder itself was left
+        conf = self.data_dir / "postgresql.conf"
+        if _INCLUDE not in conf.read_text().splitlines():
+            with conf.open("a") as file:
+                file.write(f"\n{_INCLUDE}\n")
+        if not (self.data_dir / _PASSWORD).exists():
+            self._write_private(self.data_dir / _PASSWORD, secrets.token_hex(24))
+
+    def _create_cluster(self, staging: Path, lock: int) -> None:
+        """initdb into a staging folder, configure it there, then move it in with PG_VERSION last: a
+        crash at any point leaves either a complete cluster or no PG_VERSION (and the staging folder)."""
+        staging.mkdir(mode=0o700)  # before initdb: it marks what follows as an unfinished first start
+        if self._account:
+            os.chown(staging, *self._account)
+        password = self.data_dir / _PASSWORD
+        self._write_private(password, secrets.token_hex(24))
+        # initdb inherits the start lock: if we are killed, no other start touches the staging folder
+        # before the orphaned initdb has exited.
+        self._run("initdb", "-D", str(staging), f"--pwfile={password}", *_INITDB_OPTIONS, keep_fd=lock)
+        with (staging / "postgresql.conf").open("a") as conf:
+            conf.write(f"\n{_INCLUDE}\n")
+        (staging / "pg_hba.conf").write_text(_HBA)
+        entries = sorted(staging.iterdir(), key=lambda path: path.name == "PG_VERSION")
+        for entry in entries:
+            entry.rename(self.data_dir / entry.name)
+        self.data_dir.chmod(0o700)  # postgres refuses a data dir others can read
+        _remove(staging)
+
+    def _secure(self) -> None:
+        """Upgrade a cluster made with trust auth: set the password, then allow nothing else."""
+        hba = self.data_dir / "pg_hba.conf"
+        if hba.read_text() == _HBA:
+            return
+        # Still trust: any password gets in. Over stdin, so that it never shows in a command line.
+        self._psql(f"ALTER ROLE {_SUPERUSER} PASSWORD '{self._password()}'", stdin=True)
+        hba.write_text(_HBA)
+        self._run("pg_ctl", "reload", "-D", str(self.data_dir), "-s")
+
+    def _password(self) -> str:
+        return (self.data_dir / _PASSWORD).read_text().strip()
+
+    def _write_private(self, path: Path, text: str) -> None:
+        """Write a secret readable only by its owner (the server account as root), atomically."""
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.unlink(missing_ok=True)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(text + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        if self._account:
+            os.chown(temporary, *self._account)
+        temporary.rename(path)
+
+    def _serving_port(self, *, shared: bool) -> int | None:
+        """The port of a live, accepting server of this cluster (one left by a killed process
+        included); None when none runs, or after shutting down one that does not answer, unless
+        it is ``shared`` with other processes: that is an error."""
+        if self._postmaster_pid() is None:
+            return None
+        deadline = time.monotonic() + 60
+        while (fields := self._postmaster_fields()) and fields[-1].strip() == "starting":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        try:
+            port = int(fields[3])
+            self._psql("SELECT 1", port=port, quiet_errors=True)
+        except (IndexError, ValueError, EmbeddedPostgresError) as error:
+            if shared:
+                raise self._error(f"the server of {self.data_dir}, used by another process, does not answer") from error
+            self._shutdown()
+            return None
+        return port
+
+    def _launch(self, port: int) -> int:
+        """Start a server of this cluster on ``port``; none must be running."""
+        # After a crash (kill -9) the lock files name a dead, zombie or reused pid.
+        self._wait_for_orphans()
+        pid_file = self.data_dir / "postmaster.pid"
+        for lock in [pid_file, *self.data_dir.glob(".s.PGSQL.*")]:
+            lock.unlink(missing_ok=True)
+        socket_dir = str(self.data_dir).replace("'", "''")
+        (self.data_dir / _CONF).write_text(
+            f"port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{socket_dir}'\nfsync = on\n"
+        )
+        self._run("pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w")
+        return port
+
+    def _wait_for_orphans(self, timeout: float = 30) -> None:
+        """Backends of a killed postmaster exit soon after it; until then they hold its shared
+        memory, which a new postmaster must not share. Deleting postmaster.pid (below) would hide
+        them from PostgreSQL's own check, so wait here until the segment it names is detached."""
+        fields = self._postmaster_fields()
+        if len(fields) < 7 or len(ids := fields[6].split()) != 2:
+            return
+        deadline = time.monotonic() + timeout
+        while _attached(ids[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _postmaster_fields(self) -> list[str]:
+        try:
+            return (self.data_dir / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return []
 
     def _shutdown(self, timeout: float = 60) -> None:
         """Fast shutdown of a live server, waiting until it exits.
@@ -133,20 +340,38 @@ class EmbeddedPostgres:
                 raise self._error(f"postgres (pid {pid}) runs after {timeout:.0f}s")
             time.sleep(0.05)
 
-    def _run(self, program: str, *args: str) -> None:
+    def _psql(self, sql: str, *, port: int | None = None, stdin: bool = False, quiet_errors: bool = False) -> None:
+        """Run SQL as the superuser over TCP, with the password in the environment."""
+        where = ["-h", "127.0.0.1", "-p", str(port or self._running_port), "-U", _SUPERUSER, "-d", "postgres"]
+        command = ["-Xq", "-v", "ON_ERROR_STOP=1", *where] + ([] if stdin else ["-c", sql])
+        env = {"PGPASSWORD": self._password(), "PGCONNECT_TIMEOUT": "10"}
+        self._run("psql", *command, stdin=sql if stdin else None, env=env, log=not quiet_errors)
+
+    def _run(
+        self,
+        program: str,
+        *args: str,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+        log: bool = True,
+        keep_fd: int | None = None,
+    ) -> None:
         """Run a bundled binary (unprivileged when we are root); raise with the log."""
         binary = str(_readable_install() / "bin" / program)
         done = subprocess.run(
             [*self._setpriv, binary, *args],
             cwd="/",  # the server account may not be able to read ours
-            env=self._env,
+            env={**self._env, **(env or {})},
+            input=stdin,
             capture_output=True,
             text=True,
             check=False,
+            timeout=300,
+            pass_fds=() if keep_fd is None else (keep_fd,),
         )
         if done.returncode:
             error = f"{program} failed (exit {done.returncode}): {done.stderr.strip()}"
-            raise self._error(error)
+            raise self._error(error) if log else EmbeddedPostgresError(error)
 
     def _error(self, message: str) -> EmbeddedPostgresError:
         log = self._log.read_text(errors="replace") if self._log.exists() else ""
@@ -179,6 +404,23 @@ class EmbeddedPostgres:
                 f"{blocked} is not searchable by others, so the server account "
                 f"cannot reach {self.data_dir}: use a folder under e.g. /var/tmp"
             )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _attached(shmid: str) -> bool:
+    """Some process still attaches the System V shared memory segment ``shmid``."""
+    try:
+        lines = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    # Columns: key shmid perms size cpid lpid nattch ...
+    return any(len(cols := line.split()) > 6 and cols[1] == shmid and cols[6] != "0" for line in lines)
 
 
 def _unsearchable_parent(path: Path) -> Path | None:
