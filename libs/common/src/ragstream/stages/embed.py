@@ -16,7 +16,12 @@ def embedding_text(header: DocumentHeader, chunk: ChunkPayload) -> str:
 
 
 def embedding_input(title: str, heading: str, text: str) -> str:
-    """``embedding_text`` from stored columns: a re-index embeds exactly what ingest did."""
+    """``embedding_text`` from stored columns: a re-index embeds exactly what ingest did.
+
+    A heading path that starts with the title (a page's own heading, or the title the chunker gives the
+    text before the first heading) is the whole context: the title is not said twice."""
+    if title and (heading == title or heading.startswith(f"{title} > ")):
+        title = ""
     context = " > ".join(part for part in (title, heading) if part)
     return f"{context}\n{text}" if context else text
 
