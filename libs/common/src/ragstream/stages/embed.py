@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ragstream.embedding.base import Embedder
+from ragstream.embedding.coalescing import CoalescingEmbedder, batch_limits
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentChunked, DocumentHeader, pack_vectors
 
@@ -27,18 +28,41 @@ def embedding_input(title: str, heading: str, text: str) -> str:
 
 
 class EmbedService:
+    """Embeds one chunk batch with its connection's model.
+
+    Concurrent ``run`` calls (the embedded pipeline's workers, a service's concurrent messages)
+    share the provider's calls: each model's embedder is wrapped in a ``CoalescingEmbedder`` that
+    packs the chunks of many documents into the provider's best batch size, while each batch still
+    comes back on its own and is committed by its own document's transaction.
+
+    Usage:
+        embedded = await EmbedService(embedder, spaces).run(chunked)   # -> ChunksEmbedded
+    """
+
     def __init__(self, embedder: Embedder, spaces: ActiveSpace | None = None) -> None:
         """With ``spaces``, each batch is embedded by its connection's model (pinned, else the active
         space's; a re-index changes it); without, always by ``embedder``."""
         self._embedder = embedder
         self._spaces = spaces
+        self._coalescers: dict[str, CoalescingEmbedder] = {}
+
+    def _shared(self, embedder: Embedder) -> Embedder:
+        """``embedder`` behind the coalescer of its model, or as is when it declares no batch limits."""
+        limits = batch_limits(embedder)
+        if limits is None:
+            return embedder
+        coalescer = self._coalescers.get(embedder.model_key)
+        if coalescer is None or coalescer.inner is not embedder:
+            coalescer = self._coalescers[embedder.model_key] = CoalescingEmbedder(embedder, limits)
+        return coalescer
 
     async def run(self, message: DocumentChunked) -> ChunksEmbedded:
         if self._spaces is None:
             embedder = self._embedder
         else:
             embedder = (await self._spaces.for_connection(message.header.connection_id)).embedder
-        vectors = await embedder.embed([embedding_text(message.header, chunk) for chunk in message.chunks])
+        texts = [embedding_text(message.header, chunk) for chunk in message.chunks]
+        vectors = await self._shared(embedder).embed(texts)
         return ChunksEmbedded(
             header=message.header,
             batch_index=message.batch_index,
