@@ -101,6 +101,17 @@ async def test_documents_share_full_batches_and_each_gets_its_own_rows() -> None
     assert inner.max_in_flight == 2
 
 
+async def test_texts_arriving_while_the_only_call_runs_wait_for_it_and_go_out_together() -> None:
+    inner = RecordingEmbedder(delay_s=0.2)
+    coalescer = CoalescingEmbedder(inner, BatchLimits(batch_size=4, max_in_flight=1, linger_s=0))
+    first = asyncio.create_task(coalescer.embed(["a 1", "a 2", "a 3", "a 4"]))
+    await asyncio.sleep(0.05)  # in flight, and the queue is empty again
+    later = [asyncio.create_task(coalescer.embed([f"{name} 1"])) for name in ("b", "c", "d")]
+    await asyncio.gather(first, *later)
+    assert inner.document_calls() == [["a 1", "a 2", "a 3", "a 4"], ["b 1", "c 1", "d 1"]]
+    assert inner.max_in_flight == 1
+
+
 async def test_a_refused_text_fails_only_its_own_document() -> None:
     inner = RecordingEmbedder()
     coalescer = CoalescingEmbedder(inner, BatchLimits(batch_size=10, max_in_flight=1, linger_s=0.5))

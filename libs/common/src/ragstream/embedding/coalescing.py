@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,14 +66,6 @@ class _Part:
     stop: int
 
 
-@dataclass(eq=False)
-class _Round:
-    """The state of one burst of calls: made on the running loop, dropped when the queue runs dry."""
-
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    in_flight: set[asyncio.Task[None]] = field(default_factory=set)
-
-
 class CoalescingEmbedder:
     """An ``Embedder`` whose document calls share provider calls of ``limits.batch_size`` texts.
 
@@ -94,7 +86,9 @@ class CoalescingEmbedder:
         self.limits = limits
         self._queue: deque[_Request] = deque()
         self._queued = 0  # texts in the queue not yet handed out
-        self._round: _Round | None = None
+        # Calls in flight outlive the dispatcher that sent them: the next one counts them too.
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._arrived: asyncio.Event | None = None  # made on the running loop with each dispatcher
         self._dispatcher: asyncio.Task[None] | None = None
 
     @property
@@ -118,34 +112,38 @@ class CoalescingEmbedder:
         self._queue.append(request)
         self._queued += len(texts)
         if self._dispatcher is None or self._dispatcher.done():
-            self._round = _Round()
-            self._dispatcher = asyncio.create_task(self._dispatch(self._round))
-        elif self._round is not None:
-            self._round.arrived.set()
+            self._arrived = asyncio.Event()
+            self._dispatcher = asyncio.create_task(self._dispatch(self._arrived))
+        elif self._arrived is not None:
+            self._arrived.set()
         try:
             return await request.future
         except asyncio.CancelledError:
             request.future.cancel()  # its texts not handed out yet are skipped
             raise
 
-    async def _dispatch(self, burst: _Round) -> None:
+    async def _dispatch(self, arrived: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while self._queued > 0:
-            while len(burst.in_flight) >= self.limits.max_in_flight:
-                await asyncio.wait(set(burst.in_flight), return_when=asyncio.FIRST_COMPLETED)
+            while len(in_flight := self._calls_in_flight(loop)) >= self.limits.max_in_flight:
+                await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             deadline = loop.time() + self.limits.linger_s
             while self._queued < self.limits.batch_size and (left := deadline - loop.time()) > 0:
-                burst.arrived.clear()
+                arrived.clear()
                 try:
-                    await asyncio.wait_for(burst.arrived.wait(), left)
+                    await asyncio.wait_for(arrived.wait(), left)
                 except TimeoutError:
                     break
             parts = self._take()
             if parts:
                 task = asyncio.create_task(self._call(parts))
-                burst.in_flight.add(task)
-                task.add_done_callback(burst.in_flight.discard)
-        # Not awaiting the calls in flight: a caller arriving now starts a new round at once.
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
+        # Returns with calls still in flight: the next caller starts a dispatcher that waits for them.
+
+    def _calls_in_flight(self, loop: asyncio.AbstractEventLoop) -> set[asyncio.Task[None]]:
+        """The calls running on ``loop``; one left on a loop that closed (a test's) holds no slot."""
+        return {task for task in self._in_flight if task.get_loop() is loop and not task.done()}
 
     def _take(self) -> list[_Part]:
         """Up to ``batch_size`` queued texts, oldest caller first; cancelled callers are dropped."""
@@ -223,6 +221,5 @@ class CoalescingEmbedder:
     async def aclose(self) -> None:
         if self._dispatcher is not None:
             self._dispatcher.cancel()
-        burst, self._round = self._round, None
-        for task in list(burst.in_flight if burst else ()):
+        for task in list(self._in_flight):
             task.cancel()
