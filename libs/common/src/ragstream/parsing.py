@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 import zipfile
 from dataclasses import dataclass
 from enum import StrEnum
@@ -200,10 +201,14 @@ class Parser:
 
 def _html_soup(text: str) -> BeautifulSoup:
     """The page's tree from lxml (libxml2): linear in the input, where Python's ``html.parser`` is
-    quadratic on runs of unclosed tags or comments."""
-    from bs4 import BeautifulSoup
+    quadratic on runs of unclosed tags or comments. XHTML pages (an ``<?xml`` declaration first, as
+    DocBook writes them) are read as HTML on purpose: the HTML parser forgives what real pages get
+    wrong, so bs4's advice to switch parsers is not logged for each of them."""
+    from bs4 import BeautifulSoup, XMLParsedAsHTMLWarning
 
-    return BeautifulSoup(text, "lxml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", XMLParsedAsHTMLWarning)
+        return BeautifulSoup(text, "lxml")
 
 
 def _strip_html_noise(soup: BeautifulSoup) -> None:
