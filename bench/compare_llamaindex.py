@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -71,16 +72,21 @@ def llamaindex_python(given: str | None) -> Path:
     return python
 
 
-def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, Any], float]:
-    """Run ``command``; its last ``RESULT {json}`` line and the process wall time."""
+def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, Any], float, float]:
+    """Run ``command``; its last ``RESULT {json}`` line, the process wall time and the CPU seconds of
+    the process and its children (parser workers): on a shared machine the wall time says how busy
+    the others were, the CPU seconds what the work cost."""
     started = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env, check=False)
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if done.returncode:
         sys.stdout.write(done.stdout)
         raise SystemExit(f"{command[:4]} failed with exit status {done.returncode}")
     lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1]), wall
+    return json.loads(lines[-1]), wall, cpu
 
 
 def run_llamaindex(python: Path, corpus: Path, dsn: str, work: Path, label: str) -> dict[str, Any]:
@@ -88,7 +94,7 @@ def run_llamaindex(python: Path, corpus: Path, dsn: str, work: Path, label: str)
     shutil.copytree(corpus, workdir / "corpus", ignore=shutil.ignore_patterns("*.css", "*.svg", "*.png", ".*"))
     texts = workdir / "texts.json"
     load = os.getloadavg()[0]
-    result, wall = timed(
+    result, wall, cpu = timed(
         [
             str(python),
             str(LLAMAINDEX / "llamaindex_baseline.py"),
@@ -110,6 +116,8 @@ def run_llamaindex(python: Path, corpus: Path, dsn: str, work: Path, label: str)
         "process_wall_s": round(wall, 2),
         "documents_per_s": round(result["docs_total"] / ingest_s, 3),
         "documents_per_s_process": round(result["docs_total"] / wall, 3),
+        "process_cpu_s": round(cpu, 1),
+        "documents_per_cpu_s": round(result["docs_total"] / cpu, 3),
         "characters_per_s": round(characters / ingest_s, 1),
         "embedder_busy_s": result["run_embed_s"],
         "texts_per_embedder_call": 64,  # EMBED_BATCH_SIZE, the last call of the run excepted
@@ -120,7 +128,7 @@ def run_llamaindex(python: Path, corpus: Path, dsn: str, work: Path, label: str)
 def run_ragstream(corpus: Path, dsn: str, label: str) -> dict[str, Any]:
     load = os.getloadavg()[0]
     command = [sys.executable, "-m", "bench.compare_llamaindex", "--ragstream-run", "--corpus-folder", str(corpus)]
-    result, wall = timed([*command, "--dsn", dsn], env={**os.environ, "PYTHONPATH": str(REPO)})
+    result, wall, cpu = timed([*command, "--dsn", dsn], env={**os.environ, "PYTHONPATH": str(REPO)})
     return {
         "system": "ragstream",
         "label": label,
@@ -128,14 +136,14 @@ def run_ragstream(corpus: Path, dsn: str, label: str) -> dict[str, Any]:
         **result,
         "process_wall_s": round(wall, 2),
         "documents_per_s_process": round(result["documents"] / wall, 3),
+        "process_cpu_s": round(cpu, 1),
+        "documents_per_cpu_s": round(result["documents"] / cpu, 3),
     }
 
 
 async def ragstream_ingest(corpus: Path, dsn: str) -> dict[str, Any]:
     """In this process: one first ingest through the embedded pipeline, then the raw embedder on the
     same texts. The model's ``_encode`` is wrapped to count calls, texts and busy time."""
-    import resource
-
     from ragstream.connectors.folder import FolderConnector
     from ragstream.embedding.local import LocalUSEEmbedder
     from ragstream.runtime import open_runtime
@@ -209,15 +217,16 @@ async def create_database(dsn: str, name: str) -> str:
 def table(runs: list[dict[str, Any]]) -> str:
     lines = [
         "| run | load 1-min | docs | chunks | chars embedded | ingest s | docs/s | chars/s | process wall s "
-        "| texts/call | embedder busy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| process CPU s | docs/CPU-s | texts/call | embedder busy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         busy = run["embedder_busy_s"] / run["ingest_s"]
         lines.append(
             f"| {run['system']} {run['label']} | {run['load1_before']} | {run['documents']} | {run['chunks']} "
             f"| {run['characters_embedded']:,} | {run['ingest_s']} | {run['documents_per_s']} "
-            f"| {run['characters_per_s']:,.0f} | {run['process_wall_s']} | {run['texts_per_embedder_call']} "
+            f"| {run['characters_per_s']:,.0f} | {run['process_wall_s']} | {run['process_cpu_s']} "
+            f"| {run['documents_per_cpu_s']} | {run['texts_per_embedder_call']} "
             f"| {busy:.0%} |"
         )
     return "\n".join(lines)
@@ -272,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                 "docs_per_s_process_ragstream_over_llamaindex": round(
                     rs["documents_per_s_process"] / li["documents_per_s_process"], 3
                 ),
+                "docs_per_cpu_s_ragstream_over_llamaindex": round(
+                    rs["documents_per_cpu_s"] / li["documents_per_cpu_s"], 3
+                ),
                 "ragstream_pipeline_chars_per_s_over_raw_embedder": rs["pipeline_share_of_raw"],
                 "characters_embedded_ragstream_over_llamaindex": round(
                     rs["characters_embedded"] / li["characters_embedded"], 3
@@ -292,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(document, indent=2) + "\n")
     print(table(runs))
     print()
-    print("| round | docs/s RS/LI (ingest) | docs/s RS/LI (process) | RS pipeline / raw chars/s | chars RS/LI |")
-    print("|---|---|---|---|---|")
+    print("| round | docs/s RS/LI (ingest) | (process) | docs/CPU-s RS/LI | RS pipeline / raw | chars RS/LI |")
+    print("|---|---|---|---|---|---|")
     for ratio in ratios:
         print(
             f"| {ratio['round']} | {ratio['docs_per_s_ragstream_over_llamaindex']} "
             f"| {ratio['docs_per_s_process_ragstream_over_llamaindex']} "
+            f"| {ratio['docs_per_cpu_s_ragstream_over_llamaindex']} "
             f"| {ratio['ragstream_pipeline_chars_per_s_over_raw_embedder']} "
             f"| {ratio['characters_embedded_ragstream_over_llamaindex']} |"
         )
