@@ -5,12 +5,13 @@
 For each per-request latency, ``--documents`` documents of 1 to 7 chunks (about 4 on average, the
 same seeded set every run) go through ``EmbedService.run`` with ``--workers`` documents in flight, as
 the embedded pipeline's workers (``RAGSTREAM_INGEST_WORKERS``) run them, against the project's fake
-DashScope (``tests/support/fake_dashscope.py``, real HTTP on 127.0.0.1, the real ``DashScopeEmbedder``
-with its limits and retries unchanged: 10 texts per request, 5 in flight), asking for 64-d vectors
+DashScope (``tests/support/fake_dashscope.py`` in a child process, real HTTP on 127.0.0.1; requests
+counted by the transport below the outbound gate), through the real ``DashScopeEmbedder`` (its
+limits and retries unchanged: 10 texts per request, 5 in flight), asking for 64-d vectors
 by default (``--dimension``): the size changes no request's shape, and at 1,024-d the fake's own
 pure-Python vectors (~18 ms a text) cap it below the ceiling on a 2-core machine. The ceiling is
 ``5 × 10 / latency`` texts/s (250/s at 200 ms). Printed per latency: requests, texts per request,
-the most requests the fake saw in flight, texts/s and its share of the ceiling, then the same texts
+the most requests in flight, texts/s and its share of the ceiling, then the same texts
 as one ``embed`` call (every batch queued at once: what this machine's HTTP stack and CPU reach, the
 practical ceiling here) and the stage's share of it, and the load average.
 """
@@ -22,8 +23,11 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tests.support is imported from the repository, not installed
     sys.path.insert(0, str(REPO))
 
+import httpx  # noqa: E402
+
 from ragstream.embedding.dashscope import DashScopeEmbedder  # noqa: E402
 from ragstream.messages import ChunkPayload, DocumentChunked, DocumentHeader  # noqa: E402
 from ragstream.stages.embed import EmbedService  # noqa: E402
-from tests.support.fake_dashscope import run_fake_dashscope  # noqa: E402
+from tests.support.fake_dashscope import DEFAULT_API_KEY, FakeDashScope, create_app  # noqa: E402
+from tests.support.http_server import serve_in_thread  # noqa: E402
 
 SEED = 20261202
 IN_FLIGHT = 5
@@ -81,11 +88,69 @@ def documents(count: int) -> list[DocumentChunked]:
     return made
 
 
+class CountingTransport(httpx.AsyncBaseTransport):
+    """The network below the outbound gate, counting each request's texts and the requests in flight."""
+
+    def __init__(self) -> None:
+        self._network = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
+        )
+        self.sizes: list[int] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sizes.append(len(json.loads(request.content)["input"]["texts"]))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            response = await self._network.handle_async_request(request)
+            await response.aread()
+            return response
+        finally:
+            self.in_flight -= 1
+
+    async def aclose(self) -> None:
+        await self._network.aclose()
+
+
+@contextmanager
+def fake_in_its_own_process(delay_s: float) -> Iterator[str]:
+    """The fake DashScope delaying every request by ``delay_s``, served by a child process: its CPU
+    (building and serialising vectors) does not share this process's GIL with the client's."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "bench.embed_ceiling", "--serve-fake", str(delay_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        yield child.stdout.readline().strip()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+def serve_fake(delay_s: float) -> None:
+    """In the child: serve until the parent closes stdin."""
+    with serve_in_thread(create_app(FakeDashScope(delay_s=delay_s)), "fake-dashscope") as base_url:
+        print(base_url, flush=True)
+        sys.stdin.read()
+
+
 async def one_latency(
-    base_url: str, api_key: str, messages: list[DocumentChunked], workers: int, dimension: int
+    base_url: str, messages: list[DocumentChunked], workers: int, dimension: int, transport: CountingTransport
 ) -> float:
     """Seconds to embed every message, ``workers`` at a time, through one embed stage."""
-    embedder = DashScopeEmbedder(api_key=api_key, base_url=base_url, max_concurrency=IN_FLIGHT, dimension=dimension)
+    embedder = DashScopeEmbedder(
+        api_key=DEFAULT_API_KEY,
+        base_url=base_url,
+        max_concurrency=IN_FLIGHT,
+        dimension=dimension,
+        transport=transport,
+    )
     service = EmbedService(embedder)
     queue: asyncio.Queue[DocumentChunked] = asyncio.Queue()
     for message in messages:
@@ -103,10 +168,12 @@ async def one_latency(
         await embedder.aclose()
 
 
-async def all_at_once(base_url: str, api_key: str, texts: list[str], dimension: int) -> float:
+async def all_at_once(base_url: str, texts: list[str], dimension: int) -> float:
     """Seconds for one ``embed`` call with every text: all batches queued at once, no document
     boundaries, so only this machine's HTTP and CPU stand between it and the ceiling."""
-    embedder = DashScopeEmbedder(api_key=api_key, base_url=base_url, max_concurrency=IN_FLIGHT, dimension=dimension)
+    embedder = DashScopeEmbedder(
+        api_key=DEFAULT_API_KEY, base_url=base_url, max_concurrency=IN_FLIGHT, dimension=dimension
+    )
     try:
         started = time.perf_counter()
         await embedder.embed(texts)
@@ -126,44 +193,44 @@ def main() -> None:
         default=64,
         help="vector size asked for (64..1024); the fake builds 1,024-d vectors in pure Python, ~18 ms a text",
     )
+    parser.add_argument("--serve-fake", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_fake is not None:
+        serve_fake(args.serve_fake)
+        return
     # The fake listens on 127.0.0.1, which ragstream.outbound refuses unless told otherwise.
     os.environ["RAGSTREAM_ALLOW_PRIVATE_NETWORKS"] = "true"
     messages = documents(args.documents)
     texts = sum(len(message.chunks) for message in messages)
     rows: list[dict[str, Any]] = []
-    with run_fake_dashscope() as fake:
-        for latency_ms in (int(value) for value in args.latencies.split(",")):
-            fake.reset()
-            fake.delay_s = latency_ms / 1000
+    flat = [chunk.text for message in messages for chunk in message.chunks]
+    for latency_ms in (int(value) for value in args.latencies.split(",")):
+        with fake_in_its_own_process(latency_ms / 1000) as base_url:
             load_before = os.getloadavg()[0]
-            wall = asyncio.run(one_latency(fake.base_url, fake.api_key, messages, args.workers, args.dimension))
-            sizes = [len(body["input"]["texts"]) for body in fake.bodies()]
-            max_in_flight = fake.max_in_flight
-            fake.reset()
-            fake.delay_s = latency_ms / 1000
-            flat = [chunk.text for message in messages for chunk in message.chunks]
-            direct = asyncio.run(all_at_once(fake.base_url, fake.api_key, flat, args.dimension))
-            ceiling = IN_FLIGHT * BATCH / (latency_ms / 1000)
-            rows.append(
-                {
-                    "latency_ms": latency_ms,
-                    "documents": len(messages),
-                    "texts": texts,
-                    "requests": len(sizes),
-                    "full_requests": sum(size == BATCH for size in sizes),
-                    "texts_per_request": round(sum(sizes) / len(sizes), 2),
-                    "max_in_flight_seen": max_in_flight,
-                    "wall_s": round(wall, 2),
-                    "texts_per_s": round(texts / wall, 1),
-                    "ceiling_texts_per_s": round(ceiling, 1),
-                    "share_of_ceiling": round(texts / wall / ceiling, 3),
-                    "all_at_once_texts_per_s": round(texts / direct, 1),
-                    "share_of_all_at_once": round(direct / wall, 3),
-                    "load1_before": round(load_before, 2),
-                    "load1_after": round(os.getloadavg()[0], 2),
-                }
-            )
+            transport = CountingTransport()
+            wall = asyncio.run(one_latency(base_url, messages, args.workers, args.dimension, transport))
+            direct = asyncio.run(all_at_once(base_url, flat, args.dimension))
+        sizes = transport.sizes
+        ceiling = IN_FLIGHT * BATCH / (latency_ms / 1000)
+        rows.append(
+            {
+                "latency_ms": latency_ms,
+                "documents": len(messages),
+                "texts": texts,
+                "requests": len(sizes),
+                "full_requests": sum(size == BATCH for size in sizes),
+                "texts_per_request": round(sum(sizes) / len(sizes), 2),
+                "max_in_flight_seen": transport.max_in_flight,
+                "wall_s": round(wall, 2),
+                "texts_per_s": round(texts / wall, 1),
+                "ceiling_texts_per_s": round(ceiling, 1),
+                "share_of_ceiling": round(texts / wall / ceiling, 3),
+                "all_at_once_texts_per_s": round(texts / direct, 1),
+                "share_of_all_at_once": round(direct / wall, 3),
+                "load1_before": round(load_before, 2),
+                "load1_after": round(os.getloadavg()[0], 2),
+            }
+        )
     header = (
         "| latency | requests (full) | texts/request | max in flight | texts/s | ceiling | share "
         "| one call of all texts: texts/s | share | load 1-min |"
