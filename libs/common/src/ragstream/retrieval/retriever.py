@@ -12,7 +12,7 @@ from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
 from ragstream.retrieval.fusion import RRF_K, Fusion, convex_fusion, reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
-from ragstream.retrieval.rephrase import QueryRephraser
+from ragstream.retrieval.rephrase import QueryRephraser, Rephrasing
 from ragstream.retrieval.rerank import Reranker
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore
@@ -82,9 +82,20 @@ class HybridRetriever:
         self._reranker = reranker
         self._rephraser = rephraser
 
-    async def search(self, request: SearchRequest) -> SearchResponse:
+    async def search(self, request: SearchRequest, plan: Rephrasing | None = None) -> SearchResponse:
+        """Search ``request``; ``plan`` is the rephraser's decision when the caller already asked for it
+        (``plan``), else it is asked here. Chit-chat searches nothing and carries the reply."""
         started = time.perf_counter()
-        query = await self._standalone_query(request)
+        decided = plan if plan is not None else await self.plan(request)
+        if decided.outcome == "chitchat":
+            return SearchResponse(
+                query=request.query,
+                rephrase_outcome="chitchat",
+                reply=decided.reply,
+                results=[],
+                took_ms=round((time.perf_counter() - started) * 1000, 2),
+            )
+        query = decided.query
         # Both legs put their own two parameters first, so one clause serves both.
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
@@ -97,6 +108,7 @@ class HybridRetriever:
         return SearchResponse(
             query=request.query,
             rewritten_query=query if query != request.query else None,
+            rephrase_outcome=decided.outcome,
             results=results,
             reranked=reranked,
             embedding_space=found.model_keys[0] if found.model_keys else None,
@@ -104,15 +116,20 @@ class HybridRetriever:
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
-    async def _standalone_query(self, request: SearchRequest) -> str:
-        if self._rephraser is None or not request.history:
-            return request.query
+    async def plan(self, request: SearchRequest) -> Rephrasing:
+        """What to search for ``request``: the rephraser's decision within its timeout, else the query
+        as sent (no rephraser, the caller opted out, or it failed: the raw question is still usable)."""
+        if self._rephraser is None or not request.rephrase:
+            return Rephrasing.original(request.query)
         try:
             async with asyncio.timeout(self._settings.rephrase_timeout_s):
-                return (await self._rephraser.rephrase(request.query, request.history)).strip() or request.query
-        except Exception as error:  # the raw question is still a usable query
+                decided = await self._rephraser.rephrase(request.query, request.history, request.user_context)
+        except Exception as error:
             logger.warning("query rephrasing failed, searching the raw query: %s", error)
-            return request.query
+            return Rephrasing.original(request.query)
+        if decided.outcome != "chitchat" and decided.query.strip() in ("", request.query):
+            return Rephrasing.original(request.query)
+        return decided
 
     async def _candidates(
         self, query: str, terms: list[str], scope: Scope, connection_ids: list[str] | None, wanted: int
