@@ -20,9 +20,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from ragstream.embedding._http import RemoteEmbeddingClient, RetryPolicy
-from ragstream.embedding.base import EmbeddingError
-from ragstream.embedding.openai_compatible import parse_openai_error
+from ragstream.chat import CHAT_PATH, DEFAULT_COMPATIBLE_BASE_URL, ChatAnswer, ChatClient, ChatError
 from ragstream.retrieval.models import ChatTurn, RephraseOutcome
 
 __all__ = [
@@ -35,9 +33,6 @@ __all__ = [
     "RephraseOutcome",
     "Rephrasing",
 ]
-
-DEFAULT_COMPATIBLE_BASE_URL = "https://dashscope.aliyuncs.com/compatible-mode/v1"
-CHAT_PATH = "/chat/completions"
 
 SYSTEM_PROMPT = (
     "You prepare the latest message of a conversation for a knowledge-base search.\n"
@@ -61,7 +56,6 @@ SYSTEM_PROMPT = (
 MAX_HISTORY_TURNS = 6
 MAX_TURN_CHARS = 2000
 
-_PROVIDER = "dashscope-chat"
 _QUOTES = {'"': '"', "'": "'", "“": "”", "「": "」", "『": "』", "«": "»"}
 
 _OUTCOMES: dict[str, RephraseOutcome] = {"chitchat": "chitchat", "rephrase": "rephrased", "enrich": "enriched"}
@@ -88,16 +82,12 @@ class QueryRephraser(Protocol):
     async def aclose(self) -> None: ...
 
 
-class RephraseError(Exception):
+class RephraseError(ChatError):
     """The chat model failed or answered nothing usable; the message never carries the key."""
-
-    def __init__(self, message: str, *, retryable: bool) -> None:
-        super().__init__(message)
-        self.retryable = retryable
 
 
 class DashScopeChatRephraser:
-    """Rephrases through an OpenAI-style ``POST {base_url}/chat/completions``.
+    """Rephrases through an OpenAI-style ``POST {base_url}/chat/completions`` (``ChatClient``).
 
     The default is DashScope's compatible mode, but any server speaking that route (vLLM, Ollama)
     works with its own ``base_url``. The conversation goes into one user message as JSON rather
@@ -120,20 +110,16 @@ class DashScopeChatRephraser:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 1.0,
     ) -> None:
-        if not api_key:
-            raise ValueError("api_key must not be empty")
-        self._model = model
         self._max_tokens = max_tokens
-        # The embedders' client is reused for its retries, pacing and key redaction.
-        self._http = RemoteEmbeddingClient(
-            provider=_PROVIDER,
-            base_url=base_url,
-            headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
-            secrets=[api_key],
-            parse_error=parse_openai_error,
+        self._chat = ChatClient(
+            api_key,
+            model,
+            base_url,
             timeout_s=timeout_s,
+            max_retries=max_retries,
             max_concurrency=max_concurrency,
-            retry=RetryPolicy(max_retries, backoff_initial_s, backoff_max_s),
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
             transport=transport,
         )
 
@@ -150,60 +136,43 @@ class DashScopeChatRephraser:
     async def rephrase(
         self, query: str, history: Sequence[ChatTurn], user_context: Mapping[str, str] | None = None
     ) -> Rephrasing:
-        payload: dict[str, Any] = {
-            "model": self._model,
-            "messages": self.messages(query, history, user_context),
-            "temperature": 0,
-            "max_tokens": self._max_tokens,
-            # JSON mode: the answer is one object, not a question wrapped in prose or code fences.
-            "response_format": {"type": "json_object"},
-        }
+        # JSON mode: the answer is one object, not a question wrapped in prose or code fences.
         try:
-            body = await self._http.post_json(CHAT_PATH, payload)
-        except EmbeddingError as error:
+            answer = await self._chat.complete(
+                self.messages(query, history, user_context), max_tokens=self._max_tokens, json_mode=True
+            )
+        except ChatError as error:
             raise RephraseError(str(error), retryable=error.retryable) from None
-        content = _content(body)
-        if content is None:
-            raise self._malformed("answer has no choices[0].message.content", body)
-        return self._decision(content, body)
+        return self._decision(answer)
 
-    def _decision(self, content: str, body: dict[str, Any]) -> Rephrasing:
+    def _decision(self, answer: ChatAnswer) -> Rephrasing:
         """The outcome the model chose. A model that ignores JSON mode and answers with the bare
         question (as older prompts asked) is read as a rephrase."""
         try:
-            decided: Any = json.loads(content)
+            decided: Any = json.loads(answer.content)
         except ValueError:
             decided = None
         if not isinstance(decided, dict | list):
-            question = _unquote(content.strip())
+            question = _unquote(answer.content.strip())
             if not question:
-                raise self._malformed("answer is empty", body)
+                raise self._malformed("answer is empty", answer)
             return Rephrasing("rephrased", question)
         outcome = _OUTCOMES.get(str(decided.get("outcome"))) if isinstance(decided, dict) else None
         if outcome is None or not isinstance(decided, dict):
-            raise self._malformed("answer names no known outcome", body)
+            raise self._malformed("answer names no known outcome", answer)
         field = "reply" if outcome == "chitchat" else "question"
         text = decided.get(field)
         if not isinstance(text, str) or not text.strip():
-            raise self._malformed(f"a {outcome} answer has no {field}", body)
+            raise self._malformed(f"a {outcome} answer has no {field}", answer)
         if outcome == "chitchat":
             return Rephrasing(outcome, "", reply=text.strip())
         return Rephrasing(outcome, _unquote(text.strip()))
 
-    def _malformed(self, reason: str, body: dict[str, Any]) -> RephraseError:
-        error = self._http.malformed(reason, body.get("request_id") or body.get("id"))
-        return RephraseError(str(error), retryable=False)
+    def _malformed(self, reason: str, answer: ChatAnswer) -> RephraseError:
+        return RephraseError(str(self._chat.malformed(reason, answer.request_id)), retryable=False)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
-
-
-def _content(body: dict[str, Any]) -> str | None:
-    choices = body.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices else None
-    message = first.get("message") if isinstance(first, dict) else None
-    content = message.get("content") if isinstance(message, dict) else None
-    return content if isinstance(content, str) else None
+        await self._chat.aclose()
 
 
 def _unquote(text: str) -> str:
