@@ -260,6 +260,18 @@ def decide(question: str, history: list[dict[str, Any]], user_context: dict[str,
     return {"outcome": "rephrase", "question": rewrite_follow_up(question, history)}
 
 
+_CONTEXT_PROMPT = re.compile(r"<document>\n# (?P<title>[^\n]*)\n.*</document>.*<chunk>\n(?P<chunk>.*)\n</chunk>", re.S)
+
+
+def situate(prompt: str) -> str | None:
+    """The fake LLM's answer to a contextual-retrieval prompt: the document's title and the chunk's
+    first line, or None when ``prompt`` is not one."""
+    match = _CONTEXT_PROMPT.search(prompt)
+    if match is None:
+        return None
+    return f"Part of the document {match['title']}, on {match['chunk'].splitlines()[0]}."
+
+
 def _chat_conversation(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     """The latest question, the turns before it and the caller's context, from either prompt shape.
 
@@ -491,7 +503,7 @@ def create_app(fake: FakeDashScope) -> FastAPI:
             elif json_mode:
                 content = json.dumps(decide(question, history, user_context), ensure_ascii=False)
             else:
-                content = rewrite_follow_up(question, history)
+                content = situate(question) or rewrite_follow_up(question, history)
             prompt_tokens = sum(len(tokenize(m["content"])) for m in messages)
             completion_tokens = len(tokenize(content))
             return JSONResponse(
