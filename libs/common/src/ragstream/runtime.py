@@ -23,6 +23,7 @@ from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.retrieval.direct import DirectSearch
+from ragstream.retrieval.fusion import ConvexFusion, RrfFusion
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
 from ragstream.retrieval.rerank import DashScopeReranker, Reranker
 from ragstream.retrieval.with_direct import SearchWithDirect
@@ -43,6 +44,7 @@ from ragstream.storage.spaces import SpaceStore
 __all__ = [
     "Database",
     "Runtime",
+    "chosen_fusion",
     "create_contextualizer",
     "create_rephraser",
     "create_reranker",
@@ -140,6 +142,22 @@ def create_reranker(settings: Settings) -> Reranker | None:
     return DashScopeReranker(key.get_secret_value(), model=settings.reranker_model, base_url=host)
 
 
+# Setting any of these makes the operator's fusion serve every embedding space without one of its own.
+_FUSION_SETTINGS = frozenset({"fusion", "fusion_alpha", "rrf_k", "rrf_vector_weight", "rrf_keyword_weight"})
+
+
+def chosen_fusion(settings: Settings) -> RrfFusion | ConvexFusion | None:
+    """The fusion the operator set (any ``RAGSTREAM_FUSION*`` or ``RAGSTREAM_RRF_*``), which then serves
+    every space without a fusion of its own; None when nothing was set."""
+    if not settings.model_fields_set & _FUSION_SETTINGS:
+        return None
+    if settings.fusion == "rrf":
+        return RrfFusion(
+            k=settings.rrf_k, vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
+        )
+    return ConvexFusion(alpha=settings.fusion_alpha)
+
+
 def create_contextualizer(settings: Settings, pool: asyncpg.Pool) -> ChunkContextualizer | None:
     """The configured contextual retrieval, or ``None`` for ``RAGSTREAM_CONTEXTUAL_RETRIEVAL=none``."""
     key = settings.dashscope_key()
@@ -210,13 +228,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 ),
                 embedder,
                 CitationStore(pool),
-                settings=RetrievalSettings(
-                    fusion=settings.fusion,
-                    convex_alpha=settings.fusion_alpha,
-                    rrf_k=settings.rrf_k,
-                    vector_weight=settings.rrf_vector_weight,
-                    keyword_weight=settings.rrf_keyword_weight,
-                ),
+                settings=RetrievalSettings(fusion=chosen_fusion(settings)),
                 reranker=reranker,
                 rephraser=rephraser,
                 spaces=spaces,

@@ -256,7 +256,8 @@ class Settings(BaseSettings):
         int, Field(title="Parser worker processes", description="Documents parsed at once per process.", ge=1)
     ] = 2
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
-    # Defaults tuned on InsuranceQA v2 `valid`, English and Chinese together (docs/retrieval-quality.md).
+    # Set any of these five and they serve every embedding space; unset, a space fuses with its stored
+    # or measured weights (retrieval/fusion.py), and these defaults (the USE tuning) serve the rest.
     fusion: Annotated[
         Literal["rrf", "convex"],
         Field(
