@@ -22,6 +22,7 @@ from ragstream.api.http import create_app
 from ragstream.api.rechunk import rechunk_router
 from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
@@ -32,7 +33,7 @@ from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
-from ragstream.runtime import Runtime
+from ragstream.runtime import Runtime, chosen_fusion
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import DatabaseUnavailable, ping
@@ -230,6 +231,7 @@ def api_app(
             sync_router(lambda: runs, runner.wake),
             replay_router(replay),
             reindex_router(reindexer, SpaceStore(runtime.pool)),
+            spaces_router(SpaceStore(runtime.pool), chosen_fusion(runtime.settings)),
         ],
         title="ragstream",
         access=access,
