@@ -49,7 +49,7 @@ WRONG = "wrong-key-" + "w" * 24
 KEYS = f"admin:{ADMIN},search:{SEARCH}"
 ACCESS = Access(ApiKeys.parse(KEYS))
 # The routes a search key may call; every other route that is not open must refuse it.
-SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}")}
+SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}"), ("POST", "/v1/knowledge")}
 # The routes anyone may call: probes, metrics and the API's description; a longer list fails here.
 OPEN = {"/healthz", "/readyz", "/metrics", "/metrics/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 

@@ -19,15 +19,18 @@ from ragstream.api.auth import Access
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
+from ragstream.api.knowledge import knowledge_router
 from ragstream.api.rechunk import rechunk_router
 from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRunStore, Trigger
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
+from ragstream.knowledge.models import IndexingState
+from ragstream.knowledge.service import KnowledgeService, Searcher
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
@@ -42,7 +45,7 @@ from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
-__all__ = ["api_app", "serve"]
+__all__ = ["api_app", "knowledge_service", "serve"]
 
 _KEEP_ALIVE_S = 20
 
@@ -86,6 +89,7 @@ async def serve(
     rechunker = runtime.rechunker()
     admission = SearchAdmission.from_settings(settings)
     searcher = runtime.searcher()
+    knowledge = knowledge_service(runtime, runs, runner, lambda: searcher)
     supervisor = EmbeddedSupervisor(embedded) if embedded is not None else None
     app = api_app(
         runtime,
@@ -97,6 +101,7 @@ async def serve(
         admission=admission,
         searcher=searcher,
         supervisor=supervisor,
+        knowledge=knowledge,
     )
     # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
     # equal timeouts a client reusing a connection races the server closing it, and a busy client,
@@ -121,7 +126,7 @@ async def serve(
             )
         )
     try:
-        async with _grpc(runtime, searcher, host, grpc_port, access, admission, supervisor):
+        async with _grpc(runtime, searcher, knowledge, host, grpc_port, access, admission, supervisor):
             await server.serve()
     finally:
         for task in background:
@@ -153,6 +158,26 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def knowledge_service(
+    runtime: Runtime, runs: SyncRunStore, runner: SyncRunner, searcher: Callable[[], Searcher | None]
+) -> KnowledgeService:
+    """The knowledge tool with writes: a document written to a RAG connection starts its sync."""
+
+    async def sync_written(connection_id: str) -> IndexingState:
+        """Only the changed document is downloaded again; if a sync is running, its successor (the
+        next one started) picks it up."""
+        try:
+            await runs.start(connection_id, "api")
+        except SyncInProgress:
+            return "sync_running"
+        except RagDisabled:  # switched off meanwhile: searched live
+            return "live"
+        runner.wake()
+        return "sync_started"
+
+    return runtime.knowledge(searcher, on_written=sync_written)
+
+
 async def _ready(runtime: Runtime, supervisor: EmbeddedSupervisor | None) -> bool:
     """Raises ``DatabaseUnavailable`` while the embedded PostgreSQL is being restarted, ``DatabaseBusy``
     (or a connection error) when the pool cannot serve in time."""
@@ -173,10 +198,11 @@ def api_app(
     admission: SearchAdmission | None = None,
     searcher: SearchWithDirect | None = None,
     supervisor: EmbeddedSupervisor | None = None,
+    knowledge: KnowledgeService | None = None,
 ) -> FastAPI:
     """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
-    re-chunking and re-indexing. Search is ``searcher`` when given (live platforms beside the index),
-    else the hybrid retriever alone."""
+    re-chunking and re-indexing, the knowledge tool (``knowledge``, else one made here). Search is
+    ``searcher`` when given (live platforms beside the index), else the hybrid retriever alone."""
 
     async def ready() -> bool:
         return await _ready(runtime, supervisor)
@@ -203,6 +229,8 @@ def api_app(
             failed_again=replayed.failed,
         )
 
+    current_search = (lambda: searcher) if searcher is not None else (lambda: runtime.retriever)
+    tool = knowledge or knowledge_service(runtime, runs, runner, current_search)
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
 
@@ -211,7 +239,7 @@ def api_app(
         return embedder.model_key, embedder.dimension
 
     return create_app(
-        (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
+        current_search,
         ready=ready,
         sync_progress=lambda: runner.live,
         reader=lambda: reader,
@@ -230,6 +258,7 @@ def api_app(
             sync_router(lambda: runs, runner.wake),
             replay_router(replay),
             reindex_router(reindexer, SpaceStore(runtime.pool)),
+            knowledge_router(lambda: tool, admission=admission),
         ],
         title="ragstream",
         access=access,
@@ -242,6 +271,7 @@ def api_app(
 async def _grpc(
     runtime: Runtime,
     searcher: SearchWithDirect,
+    knowledge: KnowledgeService,
     host: str,
     port: int,
     access: Access,
@@ -258,6 +288,7 @@ async def _grpc(
 
     async with grpc_server(
         lambda: searcher,
+        knowledge=lambda: knowledge,
         host=host,
         port=port,
         ready=ready,
