@@ -570,3 +570,42 @@ async def test_platform_failures_of_a_write_are_structured_errors(
     await connect(tool, yuque_body(fake_yuque, rag=False))
     code, message = error_of(await call(tool, transport, {**body, "knowledge_base": "eng/notes"}))
     assert code == "ambiguous_connection" and connection in message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_unreadable_ima_note_is_not_asked_again_within_five_minutes(
+    tool: Server, transport: str, fake_ima: FakeIma
+) -> None:
+    base = fake_ima.add_base("Research")
+    note = fake_ima.add(base, "Locked trial", "Locked trial notes.")
+    note.denied = True
+    body = {"platform": "ima", "config": {"base_url": fake_ima.base_url, "knowledge_base_ids": [base.kb_id]}}
+    connection = await connect(tool, {**ima_body(fake_ima, rag=False), **body})
+    read = {"action": "read", "document_id": f"direct:{connection}:{base.kb_id}/{note.media_id}"}
+
+    first = error_of(await call(tool, transport, read))
+    assert first[0] == "forbidden" and len(fake_ima.calls("get_media_info")) == 1
+    note.denied = False  # fixed on the platform: the remembered failure still answers for a while
+    assert error_of(await call(tool, transport, read)) == first
+    assert len(fake_ima.calls("get_media_info")) == 1
+
+    # A connection limited to some bases searches only them, not the key owner's notebooks.
+    fake_ima.add_note("Locked notebook", "Locked trial in my notebook.")
+    found = result_of(await call(tool, transport, {"action": "search", "query": "locked"}), "search")
+    assert [result["title"] for result in found["results"]] == ["Locked trial"]
+    assert fake_ima.calls("search_note") == []
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_unknown_platform_or_a_folder_without_its_base_is_an_invalid_request(
+    tool: Server, transport: str, fake_ima: FakeIma
+) -> None:
+    code, message = error_of(await call(tool, transport, {"action": "search", "query": "x", "platform": "notion"}))
+    assert code == "invalid_request" and "unknown platform 'notion'" in message
+    await connect(tool, ima_body(fake_ima, rag=False))
+    listing = {"action": "list_documents", "platform": "ima", "folder_id": "folder_1"}
+    assert error_of(await call(tool, transport, listing))[0] == "invalid_request"
+    for action in ("list_documents", "create"):
+        body = {"action": action, "title": "t", "body": "Full text.", "principal": USER}
+        code, message = error_of(await call(tool, transport, body))
+        assert code == "invalid_request" and "platform or a connection_id" in message, action

@@ -301,10 +301,14 @@ class ImaConfig(BaseModel):
 
     base_url: str = Field(default=IMA_BASE_URL, description="ima.qq.com or a stand-in")
     knowledge_base_ids: list[str] | None = Field(default=None, description="Only these bases; unset: every base")
-    search_notes: bool = Field(
-        default=True,
-        description="Direct search also searches the key owner's notebooks (search_note), beside the bases",
+    search_notes: bool | None = Field(
+        default=None,
+        description="Direct search also searches the key owner's notebooks (search_note), beside the bases;"
+        " unset: only when knowledge_base_ids is unset (a connection limited to some bases stays there)",
     )
+
+    def searches_notes(self) -> bool:
+        return self.search_notes if self.search_notes is not None else self.knowledge_base_ids is None
 
 
 @dataclass(frozen=True, slots=True)

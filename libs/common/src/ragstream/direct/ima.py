@@ -29,7 +29,7 @@ NOTE_PREFIX = "note/"
 
 class ImaSearcher:
     """Within the configured ``knowledge_base_ids``, else every base the key sees (listed on each
-    search), and the notebooks unless ``search_notes`` is off; the bases and the notebooks are
+    search), and the notebooks (``ImaConfig.searches_notes``); the bases and the notebooks are
     searched concurrently and their hits interleaved, best of each first. ACL: None, as for indexed
     notes (the key owner's view is the connection's)."""
 
@@ -64,14 +64,14 @@ class ImaSearcher:
     async def search(self, query: str, wanted: int) -> list[LiveHit]:
         bases = await self._bases()
         searches = [self._client.search_knowledge(query, kb_id) for kb_id, _ in bases]
-        if self._settings.search_notes:
+        if self._settings.searches_notes():
             searches.append(self._client.search_note(query, limit=min(max(wanted, 1), 50)))
         found = await asyncio.gather(*searches)
         per_base = [
             [hit for item in items if (hit := _hit(kb_id, name, item)) is not None]
             for (kb_id, name), items in zip(bases, found, strict=False)
         ]
-        if self._settings.search_notes:
+        if self._settings.searches_notes():
             per_base.append([hit for item in found[-1] if (hit := _note_hit(item)) is not None])
         interleaved = [hit for row in itertools.zip_longest(*per_base) for hit in row if hit is not None]
         return interleaved[:wanted]

@@ -72,6 +72,8 @@ class ImaOperations(PlatformOperations):
         self, knowledge_base_id: str | None, folder_id: str | None, cursor: str | None, limit: int
     ) -> Listing:
         if knowledge_base_id is None:
+            if folder_id is not None:
+                raise KnowledgeFailure(ErrorCode.INVALID_REQUEST, "folder_id needs the knowledge_base_id it is in")
             return Listing(await self._bases())
         self._check_base(knowledge_base_id)
         page = await self._client.knowledge_page(

@@ -37,7 +37,14 @@ from ragstream.knowledge.models import (
     SearchAction,
     UpdateAction,
 )
-from ragstream.knowledge.platforms import KnowledgeFailure, PlatformOperations, WrittenDocument, refusal, supports
+from ragstream.knowledge.platforms import (
+    OPERATIONS,
+    KnowledgeFailure,
+    PlatformOperations,
+    WrittenDocument,
+    refusal,
+    supports,
+)
 from ragstream.knowledge.registry import operations_for
 from ragstream.retrieval.budget import truncate_text
 from ragstream.retrieval.direct import DIRECT_RETRY
@@ -105,6 +112,9 @@ class KnowledgeService:
 
     async def handle(self, request: KnowledgeAction) -> KnowledgeResponse:
         answer = KnowledgeResponse(action=request.action)
+        if request.platform is not None and request.platform not in OPERATIONS:
+            known = ", ".join(sorted(OPERATIONS))
+            return _failed(answer, ErrorCode.INVALID_REQUEST, f"unknown platform {request.platform!r}: one of {known}")
         try:
             match request:
                 case SearchAction():
