@@ -363,7 +363,7 @@ def _vendor_failure(error: VendorError) -> tuple[ErrorCode, str]:
     if error.status == 401:
         return ErrorCode.PLATFORM_ERROR, f"the platform refused the connection's credentials ({error})"
     if error.status == 403 or getattr(error, "denied", False):
-        return ErrorCode.FORBIDDEN, f"the platform refused the connection's credentials this ({error})"
+        return ErrorCode.FORBIDDEN, f"the platform refused this to the connection's credentials ({error})"
     if error.status == 404 or getattr(error, "gone", False):
         return ErrorCode.NOT_FOUND, f"the platform has no such document ({error})"
     if error.retryable:
