@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -54,13 +56,17 @@ def free_port() -> int:
 class Server:
     http: httpx.AsyncClient
     stub: retrieval_pb2_grpc.RetrievalStub
+    #: Folder connections made over the API must lie in here.
+    folders: Path
 
 
 @pytest.fixture(scope="module")
-async def server(database_url: str) -> AsyncIterator[Server]:
+async def server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Server]:
     """``ragstream up`` (HTTP and gRPC) on a database of its own, for the module's tests."""
+    folders = tmp_path_factory.mktemp("knowledge-folders")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAGSTREAM_ALLOW_PRIVATE_NETWORKS", "true")
+        patch.setenv("RAGSTREAM_FOLDER_ROOTS", str(folders))
         settings = Settings(
             database_url=database_url,
             credential_keys=SecretStr(Fernet.generate_key().decode()),
@@ -84,7 +90,7 @@ async def server(database_url: str) -> AsyncIterator[Server]:
                                 break
                         except httpx.TransportError:
                             await asyncio.sleep(0.05)
-                    yield Server(client, retrieval_pb2_grpc.RetrievalStub(channel))
+                    yield Server(client, retrieval_pb2_grpc.RetrievalStub(channel), folders)
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -275,7 +281,9 @@ async def read_after_search(tool: Server, transport: str, conversation: str) -> 
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("platform", ["yuque", "ima", "ima-notebook", "dingtalk", "yuque-rag", "feishu"])
+@pytest.mark.parametrize(
+    "platform", ["yuque", "yuque-rag", "ima", "ima-rag", "ima-notebook", "dingtalk", "feishu", "folder"]
+)
 async def test_read_gives_the_whole_document_under_its_citation_number(
     tool: Server,
     transport: str,
@@ -292,11 +300,11 @@ async def test_read_gives_the_whole_document_under_its_citation_number(
         fake_yuque.add_doc(repo, "Verbena", text)
         fake_yuque.add_doc(repo, "Verbena index", "Verbena pages.")
         connection = await connect(tool, yuque_body(fake_yuque, rag=platform == "yuque-rag"))
-    elif platform == "ima":
+    elif platform in ("ima", "ima-rag"):
         base = fake_ima.add_base("Garden")
         fake_ima.add(base, "Verbena index", "Verbena pages.")
         fake_ima.add(base, "Verbena", text)
-        connection = await connect(tool, ima_body(fake_ima, rag=False))
+        connection = await connect(tool, ima_body(fake_ima, rag=platform == "ima-rag"))
     elif platform == "ima-notebook":
         fake_ima.add_note("Verbena index", "Verbena pages.")
         fake_ima.add_note("Verbena", text)
@@ -305,12 +313,19 @@ async def test_read_gives_the_whole_document_under_its_citation_number(
         fake_dingtalk.add("Verbena index", "Verbena pages.")
         fake_dingtalk.add("Verbena", "Verbena care.", *PARAGRAPHS, ending)
         connection = await connect(tool, dingtalk_body(fake_dingtalk))
-    else:
+    elif platform == "feishu":
         space = fake_feishu.add_space("Garden")
         fake_feishu.add_node(space, "Verbena index", "# Verbena index\n\nVerbena pages.\n")
         fake_feishu.add_node(space, "Verbena", f"# Verbena\n\n{text}\n")
         connection = await connect(tool, feishu_body(fake_feishu, space.space_id))
-    if platform in ("yuque-rag", "feishu"):
+    else:
+        folder = tool.folders / uuid.uuid4().hex
+        folder.mkdir()
+        (folder / "Verbena index.md").write_text("# Verbena index\n\nVerbena pages.\n")
+        (folder / "Verbena.md").write_text(f"# Verbena\n\n{text}\n")
+        body = {"platform": "folder", "name": "Garden", "config": {"path": str(folder)}}
+        connection = await connect(tool, body)
+    if platform in ("yuque-rag", "ima-rag", "feishu", "folder"):
         assert (await settled(tool, connection))["status"] == "Ready"
 
     top, read = await read_after_search(tool, transport, f"read-{platform}-{transport}")
