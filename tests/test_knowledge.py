@@ -506,6 +506,12 @@ async def test_a_write_on_a_live_yuque_connection_is_found_by_the_next_search(
     read = result_of(await call(tool, transport, {"action": "read", "document_id": written["document_id"]}), "read")
     assert "57 nests" in read["text"] and "41 nests" not in read["text"]
 
+    short = {**update, "body": "# Larch survey\n\nThe survey found nests."}
+    code, message = error_of(await call(tool, transport, short))
+    assert code == "invalid_request" and "under a quarter" in message and doc.body == new_body
+    assert result_of(await call(tool, transport, {**short, "shorten": True}), "written")
+    assert doc.body == short["body"]
+
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_write_on_a_rag_yuque_connection_is_synced_into_the_index(

@@ -149,6 +149,7 @@ _KnowledgeField = Literal[
     "knowledge_base",
     "title",
     "body",
+    "shorten",
 ]
 _KNOWLEDGE_OPTIONAL: tuple[_KnowledgeField, ...] = get_args(_KnowledgeField)
 

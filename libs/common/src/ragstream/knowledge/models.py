@@ -164,6 +164,13 @@ class UpdateAction(_Write):
     action: Literal["update"]
     document_id: Annotated[StorableStr, Field(title="Document", description="A document_id a search answered.")]
     title: Annotated[str | None, Field(title="New title", min_length=1, max_length=200), Storable] = None
+    shorten: Annotated[
+        bool,
+        Field(
+            title="Shorten on purpose",
+            description="A body under a quarter of the current one is refused as a likely summary unless set.",
+        ),
+    ] = False
 
 
 KnowledgeRequest = Annotated[

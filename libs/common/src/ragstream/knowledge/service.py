@@ -8,7 +8,8 @@ answered as a result or a structured error (never an exception).
   ``WHOLE_DOCUMENT_CHARS``), a live one (``direct:<connection>:<id>``) from its platform; either
   under the citation number the conversation already gave it, and only if the caller may see it.
 - **list_documents** browses an IMA knowledge base by folder; elsewhere ``unsupported_operation``.
-- **create** / **update** write a full Markdown body where the platform allows it (Yuque); they need
+- **create** / **update** write a full Markdown body where the platform allows it (Yuque): an update
+  to under a quarter of a document's length is refused as a likely summary unless ``shorten``; they need
   the principal of the user the expert writes for, who must be able to see the place written to. The
   written document reaches search at once: a RAG connection starts a sync (``on_written``), a live
   one is searched on the platform itself.
@@ -57,7 +58,14 @@ from ragstream.storage.documents import document_id as indexed_document_id
 from ragstream.storage.knowledge import KnowledgeConnection, KnowledgeStore
 from ragstream.vendor_http import RetryPolicy, VendorError
 
-__all__ = ["EMPTY_SEARCHES_FOR_HINT", "WHOLE_DOCUMENT_CHARS", "KnowledgeService", "Searcher", "stale_index_hint"]
+__all__ = [
+    "EMPTY_SEARCHES_FOR_HINT",
+    "SHORTENING_FLOOR_CHARS",
+    "WHOLE_DOCUMENT_CHARS",
+    "KnowledgeService",
+    "Searcher",
+    "stale_index_hint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,8 @@ logger = logging.getLogger(__name__)
 WHOLE_DOCUMENT_CHARS = 200_000
 #: Searches in a row without a result, in one conversation, before the answer carries the hint.
 EMPTY_SEARCHES_FOR_HINT = 2
+#: Documents shorter than this may be replaced by anything: a quarter of them is no sign of a summary.
+SHORTENING_FLOOR_CHARS = 400
 _LIVE_PREFIX = "direct:"
 
 T = TypeVar("T")
@@ -266,6 +276,12 @@ class KnowledgeService:
                     raise KnowledgeFailure(
                         ErrorCode.NOT_FOUND, f"no document {update.document_id} this caller may read"
                     )
+                if _looks_summarised(update.body, current.text) and not update.shorten:
+                    raise KnowledgeFailure(
+                        ErrorCode.INVALID_REQUEST,
+                        f"the new body has {len(update.body)} characters, under a quarter of the current "
+                        f"{len(current.text)}: pass the full document body, not a summary (or shorten: true)",
+                    )
                 return await operations.update(external_id, update.title, update.body)
 
             written = await self._on_platform(connection, replace)
@@ -353,6 +369,11 @@ class KnowledgeService:
                 return await call(operations)
         finally:
             await operations.aclose()
+
+
+def _looks_summarised(body: str, current: str) -> bool:
+    """Whether ``body`` would replace a document of some length with under a quarter of it."""
+    return len(current) >= SHORTENING_FLOOR_CHARS and len(body) * 4 < len(current)
 
 
 def _failed(answer: KnowledgeResponse, code: ErrorCode, message: str) -> KnowledgeResponse:

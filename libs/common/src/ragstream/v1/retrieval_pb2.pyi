@@ -519,7 +519,8 @@ Global___SearchBatchResponse: _TypeAlias = SearchBatchResponse  # noqa: Y015
 class KnowledgeRequest(_message.Message):
     """One action of the knowledge tool. Which fields an action reads: search: query, top_k, filters,
     history; read: document_id; list_documents: knowledge_base_id, folder_id, cursor, limit; create:
-    knowledge_base, title, body; update: document_id, title, body. Limits are those of the HTTP API.
+    knowledge_base, title, body; update: document_id, title, body, shorten. Limits are those of the
+    HTTP API.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -541,6 +542,7 @@ class KnowledgeRequest(_message.Message):
     KNOWLEDGE_BASE_FIELD_NUMBER: _builtins.int
     TITLE_FIELD_NUMBER: _builtins.int
     BODY_FIELD_NUMBER: _builtins.int
+    SHORTEN_FIELD_NUMBER: _builtins.int
     action: _builtins.str
     """search, read, list_documents, create or update."""
     platform: _builtins.str
@@ -566,6 +568,10 @@ class KnowledgeRequest(_message.Message):
     title: _builtins.str
     body: _builtins.str
     """The full Markdown body: never a summary or an excerpt (refused as invalid_request)."""
+    shorten: _builtins.bool
+    """update: replace a document with under a quarter of its length on purpose (else refused as a
+    likely summary).
+    """
     @_builtins.property
     def principal(self) -> Global___Principal:
         """The user the expert acts for; required by create and update."""
@@ -594,10 +600,11 @@ class KnowledgeRequest(_message.Message):
         knowledge_base: _builtins.str | None = ...,
         title: _builtins.str | None = ...,
         body: _builtins.str | None = ...,
+        shorten: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_body", b"_body", "_connection_id", b"_connection_id", "_conversation_id", b"_conversation_id", "_cursor", b"_cursor", "_document_id", b"_document_id", "_folder_id", b"_folder_id", "_knowledge_base", b"_knowledge_base", "_knowledge_base_id", b"_knowledge_base_id", "_limit", b"_limit", "_platform", b"_platform", "_query", b"_query", "_title", b"_title", "_top_k", b"_top_k", "body", b"body", "connection_id", b"connection_id", "conversation_id", b"conversation_id", "cursor", b"cursor", "document_id", b"document_id", "filters", b"filters", "folder_id", b"folder_id", "knowledge_base", b"knowledge_base", "knowledge_base_id", b"knowledge_base_id", "limit", b"limit", "platform", b"platform", "principal", b"principal", "query", b"query", "title", b"title", "top_k", b"top_k"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_body", b"_body", "_connection_id", b"_connection_id", "_conversation_id", b"_conversation_id", "_cursor", b"_cursor", "_document_id", b"_document_id", "_folder_id", b"_folder_id", "_knowledge_base", b"_knowledge_base", "_knowledge_base_id", b"_knowledge_base_id", "_limit", b"_limit", "_platform", b"_platform", "_query", b"_query", "_shorten", b"_shorten", "_title", b"_title", "_top_k", b"_top_k", "body", b"body", "connection_id", b"connection_id", "conversation_id", b"conversation_id", "cursor", b"cursor", "document_id", b"document_id", "filters", b"filters", "folder_id", b"folder_id", "knowledge_base", b"knowledge_base", "knowledge_base_id", b"knowledge_base_id", "limit", b"limit", "platform", b"platform", "principal", b"principal", "query", b"query", "shorten", b"shorten", "title", b"title", "top_k", b"top_k"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_body", b"_body", "_connection_id", b"_connection_id", "_conversation_id", b"_conversation_id", "_cursor", b"_cursor", "_document_id", b"_document_id", "_folder_id", b"_folder_id", "_knowledge_base", b"_knowledge_base", "_knowledge_base_id", b"_knowledge_base_id", "_limit", b"_limit", "_platform", b"_platform", "_query", b"_query", "_title", b"_title", "_top_k", b"_top_k", "action", b"action", "body", b"body", "connection_id", b"connection_id", "conversation_id", b"conversation_id", "cursor", b"cursor", "document_id", b"document_id", "filters", b"filters", "folder_id", b"folder_id", "history", b"history", "knowledge_base", b"knowledge_base", "knowledge_base_id", b"knowledge_base_id", "limit", b"limit", "platform", b"platform", "principal", b"principal", "query", b"query", "title", b"title", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_body", b"_body", "_connection_id", b"_connection_id", "_conversation_id", b"_conversation_id", "_cursor", b"_cursor", "_document_id", b"_document_id", "_folder_id", b"_folder_id", "_knowledge_base", b"_knowledge_base", "_knowledge_base_id", b"_knowledge_base_id", "_limit", b"_limit", "_platform", b"_platform", "_query", b"_query", "_shorten", b"_shorten", "_title", b"_title", "_top_k", b"_top_k", "action", b"action", "body", b"body", "connection_id", b"connection_id", "conversation_id", b"conversation_id", "cursor", b"cursor", "document_id", b"document_id", "filters", b"filters", "folder_id", b"folder_id", "history", b"history", "knowledge_base", b"knowledge_base", "knowledge_base_id", b"knowledge_base_id", "limit", b"limit", "platform", b"platform", "principal", b"principal", "query", b"query", "shorten", b"shorten", "title", b"title", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__body: _TypeAlias = _typing.Literal["body"]  # noqa: Y015
     _WhichOneofArgType__body: _TypeAlias = _typing.Literal["_body", b"_body"]  # noqa: Y015
@@ -621,6 +628,8 @@ class KnowledgeRequest(_message.Message):
     _WhichOneofArgType__platform: _TypeAlias = _typing.Literal["_platform", b"_platform"]  # noqa: Y015
     _WhichOneofReturnType__query: _TypeAlias = _typing.Literal["query"]  # noqa: Y015
     _WhichOneofArgType__query: _TypeAlias = _typing.Literal["_query", b"_query"]  # noqa: Y015
+    _WhichOneofReturnType__shorten: _TypeAlias = _typing.Literal["shorten"]  # noqa: Y015
+    _WhichOneofArgType__shorten: _TypeAlias = _typing.Literal["_shorten", b"_shorten"]  # noqa: Y015
     _WhichOneofReturnType__title: _TypeAlias = _typing.Literal["title"]  # noqa: Y015
     _WhichOneofArgType__title: _TypeAlias = _typing.Literal["_title", b"_title"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
@@ -647,6 +656,8 @@ class KnowledgeRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__platform) -> _WhichOneofReturnType__platform | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__query) -> _WhichOneofReturnType__query | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__shorten) -> _WhichOneofReturnType__shorten | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__title) -> _WhichOneofReturnType__title | None: ...
     @_typing.overload
