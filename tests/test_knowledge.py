@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from ragstream.api.auth import Access
 from ragstream.embedded import serve
+from ragstream.knowledge.models import elided_body
 from ragstream.runtime import open_runtime
 from ragstream.settings import Settings
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -630,3 +631,24 @@ async def test_an_unknown_platform_or_a_folder_without_its_base_is_an_invalid_re
         body = {"action": action, "title": "t", "body": "Full text.", "principal": USER}
         code, message = error_of(await call(tool, transport, body))
         assert code == "invalid_request" and "platform or a connection_id" in message, action
+
+
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ("# Plan\n\nWe ship on Friday.", False),
+        ("Numbers... and dots inside a sentence.", False),
+        ("# API\n\n```python\nclass Port(Protocol):\n    def open(self) -> None:\n        ...\n```\n", False),
+        ("The rest is unchanged for now, as agreed.", False),
+        ("", True),
+        ("TL;DR: ship it", True),
+        ("摘要：发布流程", True),
+        ("# Plan\n\n…\n", True),
+        ("# Plan\n\n[...]\n\nEnd.", True),
+        ("# Plan\n\n<!-- rest of the document unchanged -->", True),
+        ("# 计划\n\n（以下省略）", True),
+        ("# API\n\n```\ncode\n```\n\n...\n", True),
+    ],
+)
+def test_a_full_body_is_told_from_a_summary_or_an_excerpt(body: str, refused: bool) -> None:
+    assert (elided_body(body) is not None) is refused

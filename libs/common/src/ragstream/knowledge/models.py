@@ -47,6 +47,8 @@ _ELISION = re.compile(
     re.IGNORECASE | re.MULTILINE,
 )
 _SUMMARY_LEAD = re.compile(r"^\s*(?:#+\s*)?(?:summary|tl;?dr|摘要|总结|概要)\s*[:：]", re.IGNORECASE)
+# Code keeps its ``...`` (a Python stub, an elided log): only prose outside fences is checked.
+_FENCED = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 
 
 def elided_body(body: str) -> str | None:
@@ -55,7 +57,7 @@ def elided_body(body: str) -> str | None:
         return "the body is empty"
     if _SUMMARY_LEAD.match(body):
         return "the body starts as a summary"
-    found = _ELISION.search(body)
+    found = _ELISION.search(_FENCED.sub("", body))
     if found is not None:
         return f"the body leaves text out ({found.group(0).strip()[:40]!r})"
     return None
