@@ -26,11 +26,11 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
-from ragstream.knowledge.models import IndexingState
-from ragstream.knowledge.service import KnowledgeService, Searcher
+from ragstream.knowledge.control_plane import writing_knowledge
+from ragstream.knowledge.service import KnowledgeService
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
@@ -45,7 +45,7 @@ from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
-__all__ = ["api_app", "knowledge_service", "serve"]
+__all__ = ["api_app", "serve"]
 
 _KEEP_ALIVE_S = 20
 
@@ -89,7 +89,6 @@ async def serve(
     rechunker = runtime.rechunker()
     admission = SearchAdmission.from_settings(settings)
     searcher = runtime.searcher()
-    knowledge = knowledge_service(runtime, runs, runner, lambda: searcher)
     supervisor = EmbeddedSupervisor(embedded) if embedded is not None else None
     app = api_app(
         runtime,
@@ -101,7 +100,6 @@ async def serve(
         admission=admission,
         searcher=searcher,
         supervisor=supervisor,
-        knowledge=knowledge,
     )
     # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
     # equal timeouts a client reusing a connection races the server closing it, and a busy client,
@@ -126,6 +124,7 @@ async def serve(
             )
         )
     try:
+        knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher)
         async with _grpc(runtime, searcher, knowledge, host, grpc_port, access, admission, supervisor):
             await server.serve()
     finally:
@@ -158,26 +157,6 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def knowledge_service(
-    runtime: Runtime, runs: SyncRunStore, runner: SyncRunner, searcher: Callable[[], Searcher | None]
-) -> KnowledgeService:
-    """The knowledge tool with writes: a document written to a RAG connection starts its sync."""
-
-    async def sync_written(connection_id: str) -> IndexingState:
-        """Only the changed document is downloaded again; if a sync is running, its successor (the
-        next one started) picks it up."""
-        try:
-            await runs.start(connection_id, "api")
-        except SyncInProgress:
-            return "sync_running"
-        except RagDisabled:  # switched off meanwhile: searched live
-            return "live"
-        runner.wake()
-        return "sync_started"
-
-    return runtime.knowledge(searcher, on_written=sync_written)
-
-
 async def _ready(runtime: Runtime, supervisor: EmbeddedSupervisor | None) -> bool:
     """Raises ``DatabaseUnavailable`` while the embedded PostgreSQL is being restarted, ``DatabaseBusy``
     (or a connection error) when the pool cannot serve in time."""
@@ -198,11 +177,10 @@ def api_app(
     admission: SearchAdmission | None = None,
     searcher: SearchWithDirect | None = None,
     supervisor: EmbeddedSupervisor | None = None,
-    knowledge: KnowledgeService | None = None,
 ) -> FastAPI:
     """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
-    re-chunking and re-indexing, the knowledge tool (``knowledge``, else one made here). Search is
-    ``searcher`` when given (live platforms beside the index), else the hybrid retriever alone."""
+    re-chunking and re-indexing, the knowledge tool. Search is ``searcher`` when given (live platforms
+    beside the index), else the hybrid retriever alone."""
 
     async def ready() -> bool:
         return await _ready(runtime, supervisor)
@@ -229,9 +207,8 @@ def api_app(
             failed_again=replayed.failed,
         )
 
-    current_search = (lambda: searcher) if searcher is not None else (lambda: runtime.retriever)
-    tool = knowledge or knowledge_service(runtime, runs, runner, current_search)
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))
+    knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher or runtime.retriever)
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
 
     async def resolve_embedding(spec: dict[str, Any]) -> tuple[str, int]:
@@ -239,7 +216,7 @@ def api_app(
         return embedder.model_key, embedder.dimension
 
     return create_app(
-        current_search,
+        (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
         ready=ready,
         sync_progress=lambda: runner.live,
         reader=lambda: reader,
@@ -258,7 +235,7 @@ def api_app(
             sync_router(lambda: runs, runner.wake),
             replay_router(replay),
             reindex_router(reindexer, SpaceStore(runtime.pool)),
-            knowledge_router(lambda: tool, admission=admission),
+            knowledge_router(lambda: knowledge, admission=admission),
         ],
         title="ragstream",
         access=access,
