@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -16,6 +16,8 @@ from ragstream.embedding import Embedder, create_embedder
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.failures import StageRetry
+from ragstream.knowledge.models import IndexingState
+from ragstream.knowledge.service import KnowledgeService, Searcher
 from ragstream.parsing import Parser
 from ragstream.parsing_pool import ParserPool
 from ragstream.pipeline import EmbeddedPipeline
@@ -24,6 +26,7 @@ from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.retrieval.direct import DirectSearch
 from ragstream.retrieval.fusion import ConvexFusion, RrfFusion
+from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
 from ragstream.retrieval.rerank import DashScopeReranker, Reranker
 from ragstream.retrieval.with_direct import SearchWithDirect
@@ -36,7 +39,9 @@ from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import close_pool, connect_pool
 from ragstream.storage.direct_connections import DirectConnectionStore
 from ragstream.storage.documents import DocumentStore
+from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
+from ragstream.storage.knowledge import KnowledgeStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import SpaceStore
@@ -93,6 +98,23 @@ class Runtime:
 
     def rechunker(self) -> Rechunker:
         return Rechunker(RechunkStore(self.pool), self.chunker, self.spaces, contextualizer=self.contextualizer)
+
+    def knowledge(
+        self,
+        searcher: Callable[[], Searcher | None],
+        on_written: Callable[[str], Awaitable[IndexingState]] | None = None,
+    ) -> KnowledgeService:
+        """The knowledge tool over ``searcher``; writes only with ``on_written`` (the control plane's
+        sync start), platform calls within the direct-search timeout."""
+        cipher = CredentialCipher.from_settings(self.settings)
+        return KnowledgeService(
+            searcher,
+            DocumentReader(DocumentReadStore(self.pool), CitationStore(self.pool)),
+            KnowledgeStore(self.pool, cipher),
+            CitationStore(self.pool),
+            on_written=on_written,
+            timeout_s=self.settings.direct_search_timeout_s,
+        )
 
     def searcher(self) -> SearchWithDirect:
         """Hybrid retrieval over the indexed connections, with the RAG-off connections in scope searched
