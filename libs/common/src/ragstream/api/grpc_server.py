@@ -112,6 +112,10 @@ def search_request(message: retrieval_pb2.SearchRequest) -> SearchRequest:
         fields["conversation_id"] = message.conversation_id
     if message.HasField("principal"):
         fields["principal"] = {"user": message.principal.user, "groups": list(message.principal.groups)}
+    if message.user_context:
+        fields["user_context"] = dict(message.user_context)
+    if message.HasField("rephrase"):
+        fields["rephrase"] = message.rephrase
     try:
         return SearchRequest.model_validate(fields)
     except ValidationError as error:
@@ -132,6 +136,8 @@ def search_response(response: SearchResponse) -> retrieval_pb2.SearchResponse:
         embedding_spaces=response.embedding_spaces,
         degraded=[retrieval_pb2.DegradedPlatform(**entry.model_dump()) for entry in response.degraded],
         took_ms=response.took_ms,
+        rephrase_outcome=response.rephrase_outcome,
+        reply=response.reply,
     )
 
 

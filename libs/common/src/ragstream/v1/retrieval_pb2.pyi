@@ -226,12 +226,34 @@ Global___ChatTurn: _TypeAlias = ChatTurn  # noqa: Y015
 class SearchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class UserContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     QUERY_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     FILTERS_FIELD_NUMBER: _builtins.int
     PRINCIPAL_FIELD_NUMBER: _builtins.int
     CONVERSATION_ID_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    USER_CONTEXT_FIELD_NUMBER: _builtins.int
+    REPHRASE_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The question; 1 to 4,000 characters."""
     top_k: _builtins.int
@@ -240,6 +262,10 @@ class SearchRequest(_message.Message):
     """Conversation the search belongs to: the same document keeps the same citation_index across the
     conversation's searches and document reads. Unset: numbers start at 1 for this call. At most 200
     characters.
+    """
+    rephrase: _builtins.bool
+    """false: search the query as sent, without the rephraser (an agent that plans its own queries).
+    Unset: true.
     """
     @_builtins.property
     def filters(self) -> Global___SearchFilters:
@@ -253,6 +279,12 @@ class SearchRequest(_message.Message):
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatTurn]:
         """The conversation so far, oldest first; used by the query rephraser when one is configured."""
 
+    @_builtins.property
+    def user_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Facts about the caller (department, team, location): the rephraser completes an incomplete
+        question from them. Never used to filter. At most 20 pairs.
+        """
+
     def __init__(
         self,
         *,
@@ -262,17 +294,23 @@ class SearchRequest(_message.Message):
         principal: Global___Principal | None = ...,
         conversation_id: _builtins.str | None = ...,
         history: _abc.Iterable[Global___ChatTurn] | None = ...,
+        user_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        rephrase: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "principal", b"principal", "top_k", b"top_k"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_rephrase", b"_rephrase", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "principal", b"principal", "rephrase", b"rephrase", "top_k", b"top_k"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "history", b"history", "principal", b"principal", "query", b"query", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_rephrase", b"_rephrase", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "history", b"history", "principal", b"principal", "query", b"query", "rephrase", b"rephrase", "top_k", b"top_k", "user_context", b"user_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__conversation_id: _TypeAlias = _typing.Literal["conversation_id"]  # noqa: Y015
     _WhichOneofArgType__conversation_id: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id"]  # noqa: Y015
+    _WhichOneofReturnType__rephrase: _TypeAlias = _typing.Literal["rephrase"]  # noqa: Y015
+    _WhichOneofArgType__rephrase: _TypeAlias = _typing.Literal["_rephrase", b"_rephrase"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__conversation_id) -> _WhichOneofReturnType__conversation_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rephrase) -> _WhichOneofReturnType__rephrase | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
 
@@ -420,6 +458,8 @@ class SearchResponse(_message.Message):
     TOOK_MS_FIELD_NUMBER: _builtins.int
     EMBEDDING_SPACES_FIELD_NUMBER: _builtins.int
     DEGRADED_FIELD_NUMBER: _builtins.int
+    REPHRASE_OUTCOME_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The query as sent."""
     rewritten_query: _builtins.str
@@ -432,6 +472,12 @@ class SearchResponse(_message.Message):
     """
     took_ms: _builtins.float
     """Server-side time of the search in milliseconds."""
+    rephrase_outcome: _builtins.str
+    """What the rephraser decided: original (searched as sent), rephrased (made standalone from the
+    history), enriched (completed from user_context) or chitchat (answered by reply, nothing searched).
+    """
+    reply: _builtins.str
+    """The direct reply to chit-chat; set only when rephrase_outcome is chitchat."""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SearchResult]:
         """Results, best first."""
@@ -455,17 +501,23 @@ class SearchResponse(_message.Message):
         took_ms: _builtins.float = ...,
         embedding_spaces: _abc.Iterable[_builtins.str] | None = ...,
         degraded: _abc.Iterable[Global___DegradedPlatform] | None = ...,
+        rephrase_outcome: _builtins.str = ...,
+        reply: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "rewritten_query", b"rewritten_query"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_reply", b"_reply", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "reply", b"reply", "rewritten_query", b"rewritten_query"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "degraded", b"degraded", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_reply", b"_reply", "_rewritten_query", b"_rewritten_query", "degraded", b"degraded", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "rephrase_outcome", b"rephrase_outcome", "reply", b"reply", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__embedding_space: _TypeAlias = _typing.Literal["embedding_space"]  # noqa: Y015
     _WhichOneofArgType__embedding_space: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space"]  # noqa: Y015
+    _WhichOneofReturnType__reply: _TypeAlias = _typing.Literal["reply"]  # noqa: Y015
+    _WhichOneofArgType__reply: _TypeAlias = _typing.Literal["_reply", b"_reply"]  # noqa: Y015
     _WhichOneofReturnType__rewritten_query: _TypeAlias = _typing.Literal["rewritten_query"]  # noqa: Y015
     _WhichOneofArgType__rewritten_query: _TypeAlias = _typing.Literal["_rewritten_query", b"_rewritten_query"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__embedding_space) -> _WhichOneofReturnType__embedding_space | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reply) -> _WhichOneofReturnType__reply | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__rewritten_query) -> _WhichOneofReturnType__rewritten_query | None: ...
 
