@@ -31,11 +31,13 @@ from ragstream.storage.search import SearchStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.support.fake_dashscope import FakeDashScope
 from tests.support.fake_dingtalk import APP_KEY, APP_SECRET, OPERATOR, FakeDingTalk
+from tests.support.fake_feishu import FakeFeishu
 from tests.support.fake_ima import DEFAULT_API_KEY, DEFAULT_CLIENT_ID, FakeIma
 from tests.support.fake_yuque import DEFAULT_TOKEN, FakeYuque
 
 pytest_plugins = [
     "tests.support.fake_dashscope",
+    "tests.support.fake_feishu",
     "tests.support.fake_dingtalk",
     "tests.support.fake_ima",
     "tests.support.fake_yuque",
@@ -95,6 +97,15 @@ async def yuque_connection(setup: Setup, fake: FakeYuque, *, token: str = DEFAUL
         config={"base_url": fake.base_url},
         credentials={"token": SecretStr(token)},
         rag_enabled=False,
+    )
+    return connection.id
+
+
+async def feishu_connection(setup: Setup, fake: FakeFeishu, space_ids: list[str] | None = None) -> str:
+    credentials = {"app_id": SecretStr(fake.app_id), "app_secret": SecretStr(fake.app_secret)}
+    config: dict[str, Any] = {"base_url": fake.base_url, **({"space_ids": space_ids} if space_ids else {})}
+    connection = await setup.connections.create(
+        "feishu", "Team wiki", config=config, credentials=credentials, rag_enabled=False
     )
     return connection.id
 
@@ -331,3 +342,44 @@ async def test_the_rephraser_decides_before_any_platform_is_asked(
     asked = [query["q"] for path, query, _ in fake_yuque.requests if path == "/api/v2/search"]
     assert asked == [standalone]
     assert any(result.mode == "direct" for result in follow_up.results)
+
+
+async def test_feishu_is_searched_live_with_the_apps_token_through_unified_search(
+    setup: Setup, fake_feishu: FakeFeishu
+) -> None:
+    garden, kitchen = fake_feishu.add_space("Garden"), fake_feishu.add_space("Kitchen")
+    fake_feishu.add_node(garden, "Retention of seeds", "# Seeds\n\nSeeds keep a retention of two years when dry.\n")
+    fake_feishu.add_node(kitchen, "Retention of soup", "# Soup\n\nSoup keeps three days.\n")
+    everything = await feishu_connection(setup, fake_feishu)
+    gardens_only = await feishu_connection(setup, fake_feishu, [garden.space_id])
+
+    body = await search(setup, "retention", [setup.folder_id, everything])
+    live = [result for result in body["results"] if result["mode"] == "direct"]
+    assert body["degraded"] == [] and {result["title"] for result in live} == {
+        "Retention of seeds",
+        "Retention of soup",
+    }
+    seeds = next(result for result in live if result["title"] == "Retention of seeds")
+    assert seeds["platform"] == "feishu" and "<h>" not in seeds["text"] and "retention of two years" in seeds["text"]
+    assert seeds["url"].startswith("https://fake.feishu.cn/wiki/")
+
+    scoped = await search(setup, "retention", [gardens_only])
+    assert [result["title"] for result in scoped["results"]] == ["Retention of seeds"]
+
+    # Unified search refuses queries over 30 characters: the searcher sends the first 30.
+    cut = await search(setup, "retention of two years when dry, stored in a cool cellar", [gardens_only])
+    assert cut["degraded"] == [] and [result["title"] for result in cut["results"]] == ["Retention of seeds"]
+
+
+async def test_a_feishu_search_the_platform_refuses_degrades_without_the_secret(
+    setup: Setup, fake_feishu: FakeFeishu
+) -> None:
+    connection = await feishu_connection(setup, fake_feishu)
+    fake_feishu.fail_next(5, path="/open-apis/search/", status=400, code=99991672)
+
+    body = await search(setup, "retention", [setup.folder_id, connection])
+
+    (degraded,) = body["degraded"]
+    assert degraded["platform"] == "feishu" and "99991672" in degraded["reason"]
+    assert fake_feishu.app_secret not in degraded["reason"]
+    assert body["results"] and all(result["mode"] == "rag" for result in body["results"])

@@ -3,7 +3,7 @@ beyond the index: reading a live (direct-search) document, browsing IMA by folde
 
 | platform | search | read | list_documents | create / update |
 |---|---|---|---|---|
-| folder, web, feishu, lark | yes | yes (indexed) | no | no |
+| folder, web, feishu, lark | yes | yes (indexed; a live Feishu hit: no) | no | no |
 | yuque | yes | yes | no | yes |
 | ima | yes | yes | yes | no |
 | dingtalk | yes | yes | no | no |
