@@ -27,6 +27,7 @@ from ragstream.faults import crash_point
 from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
 from ragstream.messages import DeadLetter, DocumentHeader, Topic
 from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY
+from ragstream.poison import PoisonGuard
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 
@@ -127,6 +128,7 @@ def create_service_app(
     """Build the ASGI app of one service: ``uvicorn module:create_app --factory`` serves it."""
     config = settings or Settings()
     broker = create_broker(config.kafka_bootstrap_servers, name)
+    broker.add_middleware(PoisonGuard)  # innermost: a message reaches a handler only once it decodes
     register(broker, consumer_options(config, name))
     ready = {"value": False}
 
