@@ -41,16 +41,14 @@ from pathlib import Path
 import asyncpg
 import httpx
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import SecretStr
 
 from ragstream.connectors.folder import FolderConnector
-from ragstream.messages import Topic
 from ragstream.runtime import open_runtime
 from ragstream.settings import EmbeddingSettings, Settings
 from tests.support.connections import private_database
 from tests.support.fake_dashscope import FakeDashScope, run_fake_dashscope
+from tests.support.pipeline import CONSUMERS, FETCHER, IndexedDocument, KafkaLag, indexed_documents
 from tests.support.services import ServiceProcess
 
 # The fake DashScope listens on 127.0.0.1, for the clean run here as for the services.
@@ -59,21 +57,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.kafka, pytest.mark.usefixture
 DOCUMENTS = 2000
 SEED = int(os.environ.get("RAGSTREAM_FAULT_SEED", "18"))
 DIMENSION = 64  # small vectors: the fake and pgvector spend less per chunk; delivery is what is tested
-FETCHER = "connector-fetcher"
-CONSUMERS = ("chunker", "embedder", "indexer")
 REPLICAS = 2  # per consumer: the stages are latency-bound, and a kill then also moves partitions
-# What each consumer group reads; checked upstream first (see ``KafkaLag.drained``).
-CONSUMED: tuple[tuple[str, tuple[Topic, ...]], ...] = (
-    ("chunker", (Topic.DOC_CHANGED,)),
-    ("embedder", (Topic.DOC_CHUNKED,)),
-    ("indexer", (Topic.CHUNK_EMBEDDED, Topic.DOC_DELETED)),
-)
 CRASH_EXIT = 86  # ragstream.faults.crash_point
 QUIESCENCE_TIMEOUT_S = 600.0
-
-# One chunk as the index answers it: (ordinal, heading, text). A document: (title, its chunks).
-Chunk = tuple[int, str, str]
-IndexedDocument = tuple[str, tuple[Chunk, ...]]
 
 _WORDS = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel")
 _ZH = ("库存", "值班", "报销", "发布", "备份", "巡检", "审批", "采购")
@@ -105,24 +91,6 @@ def write_corpus(folder: Path, count: int) -> None:
         else:
             body = f"# Note {number}\n\nNote {number} says the {word} widget {number * 7} sits in bay {number % 37}.\n"
         path.write_text(body, encoding="utf-8")
-
-
-async def indexed_documents(pool: asyncpg.Pool, connection_id: str) -> dict[str, IndexedDocument]:
-    """What the index answers for a connection: per source its title and ordered chunks."""
-    rows = await pool.fetch(
-        "SELECT d.source, d.title, c.ordinal, c.heading, c.text FROM documents d"
-        " LEFT JOIN chunks c ON c.document_id = d.id"
-        " WHERE d.connection_id = $1 AND d.status = 'indexed' ORDER BY d.source, c.ordinal",
-        connection_id,
-    )
-    titles: dict[str, str] = {}
-    chunks: dict[str, list[Chunk]] = {}
-    for row in rows:
-        titles[row["source"]] = row["title"]
-        listed = chunks.setdefault(row["source"], [])
-        if row["ordinal"] is not None:
-            listed.append((row["ordinal"], row["heading"], row["text"]))
-    return {source: (titles[source], tuple(chunks[source])) for source in titles}
 
 
 async def count(pool: asyncpg.Pool, query: str, *args: object) -> int:
@@ -231,54 +199,6 @@ def kill_schedule(rng: random.Random) -> list[Kill]:
     for name in CONSUMERS:
         kills += [Kill(name, rng.uniform(0.1, 0.9)) for _ in range(rng.randint(1, 2))]
     return kills
-
-
-class KafkaLag:
-    """Committed offsets of the stage groups against the topics' end offsets."""
-
-    def __init__(self, bootstrap: str) -> None:
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-        self._partitions: dict[Topic, list[TopicPartition]] = {}
-
-    async def __aenter__(self) -> KafkaLag:
-        await self._admin.start()
-        await self._consumer.start()
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self._consumer.stop()
-        await self._admin.close()
-
-    async def partitions(self, topic: Topic) -> list[TopicPartition]:
-        if topic not in self._partitions:
-            described = await self._admin.describe_topics([topic.value])
-            self._partitions[topic] = [
-                TopicPartition(topic.value, entry["partition"]) for entry in described[0]["partitions"]
-            ]
-            assert self._partitions[topic], f"{topic} has no partitions"
-        return self._partitions[topic]
-
-    async def behind(self, group: str, topics: tuple[Topic, ...]) -> int:
-        partitions = [partition for topic in topics for partition in await self.partitions(topic)]
-        committed = await self._admin.list_consumer_group_offsets(group, partitions=partitions)
-        first = await self._consumer.beginning_offsets(partitions)
-        ends = await self._consumer.end_offsets(partitions)
-        lag = 0
-        for partition in partitions:
-            offset = committed.get(partition)
-            position = offset.offset if offset is not None and offset.offset >= 0 else first[partition]
-            lag += max(0, ends[partition] - position)
-        return lag
-
-    async def drained(self) -> bool:
-        """True when every stage group has committed everything. Checked upstream first: a stage
-        commits an offset only after its outputs are acknowledged, so once the chunker is at the
-        end, everything it will ever publish is already within the embedder's end offsets, and so on."""
-        for stage, topics in CONSUMED:
-            if await self.behind(f"ragstream-{stage}", topics):
-                return False
-        return True
 
 
 def embedding_settings(fake: FakeDashScope) -> EmbeddingSettings:
