@@ -15,9 +15,12 @@ import asyncpg
 import httpx
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from pydantic import SecretStr
 
 from ragstream.connectors.folder import FolderConnector
 from ragstream.messages import Topic
+from ragstream.runtime import open_runtime
+from ragstream.settings import EmbeddingSettings, Settings
 from tests.support.fake_dashscope import FakeDashScope
 from tests.support.services import ServiceProcess
 
@@ -29,6 +32,10 @@ __all__ = [
     "IndexedDocument",
     "KafkaLag",
     "Pipeline",
+    "assert_same_index",
+    "clean_run",
+    "count",
+    "embedding_settings",
     "indexed_documents",
     "service_env",
 ]
@@ -203,3 +210,68 @@ async def indexed_documents(pool: asyncpg.Pool, connection_id: str) -> dict[str,
         if row["ordinal"] is not None:
             listed.append((row["ordinal"], row["heading"], row["text"]))
     return {source: (titles[source], tuple(chunks[source])) for source in titles}
+
+
+def embedding_settings(fake: FakeDashScope, dimension: int) -> EmbeddingSettings:
+    return EmbeddingSettings(
+        provider="dashscope", base_url=fake.base_url, api_key=SecretStr(fake.api_key), dimension=dimension
+    )
+
+
+async def clean_run(folder: Path, database_url: str, fake: FakeDashScope, dimension: int) -> dict[str, IndexedDocument]:
+    """The expected index: a fault-free sync of ``folder`` by the embedded pipeline (same stages, no Kafka)."""
+    settings = Settings(database_url=database_url, embedding=embedding_settings(fake, dimension))
+    async with open_runtime(settings, database_url) as runtime:
+        report = await runtime.pipeline().sync(FolderConnector(folder))
+        assert report.ok, report.failures[:5]
+        return await indexed_documents(runtime.pool, FolderConnector(folder).connection_id)
+
+
+async def count(pool: asyncpg.Pool, query: str, *args: object) -> int:
+    return int(await pool.fetchval(query, *args))
+
+
+async def assert_same_index(
+    pool: asyncpg.Pool,
+    connection_id: str,
+    faulty: dict[str, IndexedDocument],
+    clean: dict[str, IndexedDocument],
+    chunk_rows: int,
+    dimension: int,
+) -> None:
+    """The faulty run's index is the clean run's, and its bookkeeping is consistent."""
+    assert set(faulty) == set(clean), (
+        f"missing {sorted(set(clean) - set(faulty))[:10]}, unexpected {sorted(set(faulty) - set(clean))[:10]}"
+    )
+    different = [source for source in clean if faulty[source] != clean[source]]
+    assert not different, f"{len(different)} documents differ from the clean run, e.g. {different[:5]}"
+    assert chunk_rows == sum(len(chunks) for _, chunks in clean.values())
+    in_connection = "FROM chunks c JOIN documents d ON d.id = c.document_id WHERE d.connection_id = $1"
+    distinct = await count(pool, f"SELECT count(DISTINCT (c.document_id, c.ordinal)) {in_connection}", connection_id)
+    assert chunk_rows == distinct, "duplicate (document, ordinal)"
+    counted = await count(
+        pool,
+        "SELECT coalesce(sum(chunk_count), 0) FROM documents WHERE connection_id = $1 AND status = 'indexed'",
+        connection_id,
+    )
+    assert chunk_rows == counted, "documents.chunk_count disagrees with the chunks table"
+    table = await pool.fetchval(
+        "SELECT table_name FROM embedding_spaces WHERE model_key = $1", f"dashscope-text-embedding-v3-{dimension}"
+    )
+    assert table is not None
+    embedded = await count(
+        pool,
+        f"SELECT count(*) {in_connection} AND (SELECT count(*) FROM {table} e WHERE e.chunk_id = c.id) = 1",
+        connection_id,
+    )
+    assert embedded == chunk_rows, f"{chunk_rows - embedded} chunks without exactly one embedding"
+    leftover = await count(
+        pool,
+        "SELECT count(*) FROM pending_batches WHERE document_id IN (SELECT id FROM documents WHERE connection_id = $1)",
+        connection_id,
+    )
+    assert leftover == 0, f"{leftover} batches left in pending_batches"
+    failures = await pool.fetch(
+        "SELECT source, step, code, message FROM document_failures WHERE connection_id = $1", connection_id
+    )
+    assert not failures, [dict(row) for row in failures[:5]]
