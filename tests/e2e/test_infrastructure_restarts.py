@@ -4,8 +4,9 @@ Two faults, each during a sync of a few hundred documents through the real servi
 
 * the Kafka broker (a private one, ``tests.support.kafka_node``) is SIGKILLed once about a third of
   the documents are indexed, and restarted on the same port and storage a few seconds later;
-* PostgreSQL (a private ``EmbeddedPostgres``) has its postmaster SIGKILLed at the same point, and
-  is started again on the same port.
+* PostgreSQL (a private ``EmbeddedPostgres``) is restarted at the same point (a fast shutdown, as
+  for maintenance or a failover: every session is terminated by the administrator), and later, with
+  the stages still at work, its postmaster is SIGKILLed; each time it is started again on its port.
 
 The services stay up throughout (none may exit); the sync completes, or, when the fault failed it,
 a sync started again once the infrastructure is back completes. Once every stage group has committed
@@ -23,6 +24,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
@@ -96,30 +98,39 @@ def private_postgres() -> Iterator[EmbeddedPostgres]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def kill_postmaster(server: EmbeddedPostgres) -> None:
+def stop_postmaster(server: EmbeddedPostgres, how: signal.Signals) -> None:
+    """Signal the postmaster and wait until it is gone: SIGINT is PostgreSQL's fast shutdown (each
+    session is told "terminating connection due to administrator command"), SIGKILL a crash."""
     pid = int((server.data_dir / "postmaster.pid").read_text().splitlines()[0])
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
+    os.kill(pid, how)
+    deadline = time.monotonic() + 60
     while server.alive():
-        assert time.monotonic() < deadline, "the postmaster outlived SIGKILL"
+        assert time.monotonic() < deadline, f"the postmaster outlived {how.name}"
         time.sleep(0.1)
 
 
-async def sync_through_a_fault(
-    pipeline: Pipeline,
-    dsn: str,
-    bootstrap: str,
-    folder: Path,
-    fault: Callable[[], None],
-    recover: Callable[[], None],
-) -> dict[str, int]:
-    """Sync ``folder``; at ``FAULT_AT`` run ``fault``, wait ``DOWN_S``, ``recover``; start the sync
-    again whenever one ends failed; return once a sync is ready and the stage groups are drained.
-    Counts what happened: syncs started and failed."""
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """``strike`` once ``at`` of the documents are indexed (or, for the first fault, ``LISTED_AT``
+    listed), stay down ``DOWN_S``, then ``recover``."""
+
+    name: str
+    at: float
+    strike: Callable[[], None]
+    recover: Callable[[], None]
+
+
+async def sync_through_faults(
+    pipeline: Pipeline, dsn: str, bootstrap: str, folder: Path, faults: list[Fault]
+) -> dict[str, object]:
+    """Sync ``folder`` while the faults strike in turn; start the sync again whenever one ends failed;
+    return once a sync is ready and the stage groups are drained. Reports what happened: syncs
+    started and failed, and where each fault struck."""
     connection_id = FolderConnector(folder).connection_id
     started = time.monotonic()
-    happened = {"syncs": 0, "failed_syncs": 0}
-    faulted = False
+    happened: dict[str, object] = {}
+    pending = list(faults)
+    syncs = failed_syncs = 0
     async with KafkaLag(bootstrap) as lag:
         sync_wanted = True
         while True:
@@ -128,30 +139,31 @@ async def sync_through_a_fault(
             if sync_wanted:
                 code = await asyncio.to_thread(pipeline.trigger_sync, folder)
                 if code == 202:
-                    happened["syncs"] += 1
+                    syncs += 1
                     sync_wanted = False
                 else:  # the fetcher cannot start it right now (its database is coming back): try again
                     assert code in (0, 409, 500, 503), code
                     sync_wanted = code != 409
             status = await asyncio.to_thread(pipeline.sync_state, folder)
-            if not faulted:
-                indexed = await _indexed(dsn, connection_id)
-                listed = listed_by(status)
-                if indexed is not None and (indexed >= FAULT_AT * DOCUMENTS or listed >= LISTED_AT * DOCUMENTS):
-                    # In the middle of it: the fetcher still announcing or the stages still indexing.
-                    assert status is not None and status["state"] == "syncing" and indexed < DOCUMENTS, status
-                    happened |= {"listed_at_fault": listed, "indexed_at_fault": indexed}
-                    fault()
-                    await asyncio.sleep(DOWN_S)
-                    await asyncio.to_thread(recover)
-                    faulted = True
-            elif status is not None and status["state"] == "failed" and not sync_wanted:
-                happened["failed_syncs"] += 1
+            if status is not None and status["state"] == "failed" and not sync_wanted:
+                failed_syncs += 1
                 sync_wanted = True
+            if pending:
+                fault = pending[0]
+                indexed = await _indexed(dsn, connection_id)
+                listed = listed_by(status) if len(pending) == len(faults) else 0
+                if indexed is not None and (indexed >= fault.at * DOCUMENTS or listed >= LISTED_AT * DOCUMENTS):
+                    # In the middle of it: the fetcher still announcing or the stages still indexing.
+                    assert indexed < DOCUMENTS, f"{fault.name} came too late: everything is indexed"
+                    happened[fault.name] = f"at {listed} listed, {indexed} indexed"
+                    fault.strike()
+                    await asyncio.sleep(DOWN_S)
+                    await asyncio.to_thread(fault.recover)
+                    pending.pop(0)
             elif status is not None and status["state"] == "ready" and not sync_wanted:
                 try:
                     if await lag.drained():
-                        return happened
+                        return happened | {"syncs": syncs, "failed_syncs": failed_syncs}
                 except Exception:  # the broker is still electing leaders after its restart
                     pass
             await asyncio.sleep(0.5)
@@ -176,9 +188,7 @@ async def _indexed(dsn: str, connection_id: str) -> int | None:
         await connection.close()
 
 
-async def run_campaign(
-    dsn: str, bootstrap: str, tmp_path: Path, fault: Callable[[], None], recover: Callable[[], None], name: str
-) -> None:
+async def run_campaign(dsn: str, bootstrap: str, tmp_path: Path, faults: list[Fault], name: str) -> None:
     started = time.monotonic()
     folder, clean_folder, logs = tmp_path / "corpus", tmp_path / "clean", tmp_path / "logs"
     write_corpus(folder, DOCUMENTS)
@@ -192,7 +202,7 @@ async def run_campaign(
         env = {**service_env(dsn, bootstrap, fake, tmp_path, DIMENSION), "RAGSTREAM_CHUNK_BATCH_CHUNKS": "2"}
         pipeline = Pipeline(env, logs).start()
         try:
-            happened = await sync_through_a_fault(pipeline, dsn, bootstrap, folder, fault, recover)
+            happened = await sync_through_faults(pipeline, dsn, bootstrap, folder, faults)
         finally:
             pipeline.stop()
     pool = await connect_pool(dsn)
@@ -212,20 +222,22 @@ async def run_campaign(
 async def test_broker_killed_and_restarted_during_a_sync(
     private_kafka: KafkaNode, database_url: str, tmp_path: Path
 ) -> None:
+    crash = Fault("broker SIGKILL", FAULT_AT, private_kafka.kill, private_kafka.restart)
     async with private_database(database_url) as dsn:
-        await run_campaign(
-            dsn, private_kafka.bootstrap_servers, tmp_path, private_kafka.kill, private_kafka.restart, "broker restart"
-        )
+        await run_campaign(dsn, private_kafka.bootstrap_servers, tmp_path, [crash], "broker restart")
 
 
-async def test_postgres_killed_and_restarted_during_a_sync(
+async def test_postgres_restarted_and_killed_during_a_sync(
     private_postgres: EmbeddedPostgres, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    await run_campaign(
-        private_postgres.dsn,
-        kafka_bootstrap,
-        tmp_path,
-        lambda: kill_postmaster(private_postgres),
-        private_postgres.restart,
-        "postgres restart",
-    )
+    """A restart first (fast shutdown: every session is terminated by the administrator), then a
+    crash (the postmaster SIGKILLed) while the stages are still at work."""
+
+    def stop(how: signal.Signals) -> Callable[[], None]:
+        return lambda: stop_postmaster(private_postgres, how)
+
+    faults = [
+        Fault("fast restart", FAULT_AT, stop(signal.SIGINT), private_postgres.restart),
+        Fault("SIGKILL", 0.7, stop(signal.SIGKILL), private_postgres.restart),
+    ]
+    await run_campaign(private_postgres.dsn, kafka_bootstrap, tmp_path, faults, "postgres restarts")
