@@ -38,12 +38,18 @@ _REDELIVERY_PAUSE_S = 1.0
 
 # Errors of the machinery around a document, not of the document: the message is not acked and is
 # delivered again once PostgreSQL or Kafka is back, instead of being recorded as a failed document.
+# A PostgreSQL restart terminates every session (AdminShutdownError, 57P01; CrashShutdownError after
+# another backend crashed), and a connection cut mid-query can leave asyncpg's protocol in a state
+# it reports as InternalClientError: none of them says anything about the document.
 INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
     asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
     KafkaError,
 )
 
