@@ -18,7 +18,8 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from ragstream.kafka import create_broker
+from ragstream.embedding.base import EmbeddingError
+from ragstream.kafka import create_broker, dead_letters, ensure_topics
 from ragstream.messages import DocumentHeader, Topic
 from ragstream.runtime import Runtime
 from ragstream.service import ServiceContext
@@ -111,3 +112,30 @@ async def test_a_lost_database_is_not_the_documents_failure(
     with pytest.raises(type(error)):
         await _process_raising(runtime, _header(connection_id), error)
     assert await _failures(runtime, connection_id) == 0
+
+
+@pytest.mark.kafka
+async def test_a_failure_of_a_deleted_connections_document_is_dead_lettered_not_looped(
+    runtime: Runtime, kafka_bootstrap: str
+) -> None:
+    """A connection deleted while its documents are in flight: the failure row has nothing to hang
+    on (its foreign key), which must not make the message redeliver forever; the dead letter goes."""
+    header = _header(f"deleted-{uuid.uuid4().hex[:8]}")
+    await ensure_topics(kafka_bootstrap)
+    broker = create_broker(kafka_bootstrap, "embedder")
+    await broker.start()
+    try:
+        service = ServiceContext("embedder", runtime, broker)
+
+        async def produce() -> list[BaseModel]:
+            raise EmbeddingError("input rejected (400)", retryable=False, provider="test")
+
+        await service.process("embed", Topic.DOC_CHUNKED, header, produce, Topic.CHUNK_EMBEDDED)
+    finally:
+        await broker.stop()
+    letters = [
+        letter
+        async for letter in dead_letters(kafka_bootstrap)
+        if letter.header is not None and letter.header.document_id == header.document_id
+    ]
+    assert [(letter.step, letter.code) for letter in letters] == [("embed", "embedding_rejected")]

@@ -61,6 +61,8 @@ async def place_poison(bootstrap: str, lag: KafkaLag) -> tuple[Placed, dict[tupl
                         )
                         placed[(topic.value, sent.partition, sent.offset)] = code
                         payloads[(topic.value, sent.partition, sent.offset)] = value
+        # And one on the dead-letter topic itself: reading the letters back must step over it.
+        await producer.send_and_wait(Topic.DEAD_LETTER.value, b"\x00 not a dead letter", key=b"poison")
     finally:
         await producer.stop()
     return placed, payloads
@@ -168,11 +170,18 @@ async def a_newer_schema_waits_for_a_replay(
     )
     await store.stage(header, content)
     newer = {**DocumentChanged(header=header).model_dump(mode="json"), "schema_version": SCHEMA_VERSION + 1}
+    # The same from a connection this database does not know: nothing to record it on, still a letter.
+    stranger = header.model_copy(update={"connection_id": "folder-unknown", "document_id": "unknown-document"})
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
     try:
         sent = await producer.send_and_wait(
             Topic.DOC_CHANGED.value, json.dumps({**newer, "priority": "high"}).encode(), key=header.document_id.encode()
+        )
+        strange = await producer.send_and_wait(
+            Topic.DOC_CHANGED.value,
+            json.dumps({**newer, "header": stranger.model_dump(mode="json")}).encode(),
+            key=stranger.document_id.encode(),
         )
     finally:
         await producer.stop()
@@ -187,9 +196,18 @@ async def a_newer_schema_waits_for_a_replay(
     )
     assert dict(failure or {}) == {"step": "chunk", "code": "unsupported_schema_version", "retryable": True}
     await wait_for(lag.drained, 60, "the chunker to commit past the newer message")
-    letters = await letters_for(bootstrap, {(Topic.DOC_CHANGED.value, sent.partition, sent.offset)})
-    (letter,) = letters.values()
-    assert (letter.code, letter.header, letter.retryable) == ("unsupported_schema_version", header, True)
+    where, strange_where = (
+        (Topic.DOC_CHANGED.value, sent.partition, sent.offset),
+        (Topic.DOC_CHANGED.value, strange.partition, strange.offset),
+    )
+    letters = await letters_for(bootstrap, {where, strange_where})
+    assert (letters[where].code, letters[where].header, letters[where].retryable) == (
+        "unsupported_schema_version",
+        header,
+        True,
+    )
+    assert (letters[strange_where].code, letters[strange_where].header) == ("unsupported_schema_version", stranger)
+    assert not await pool.fetchval("SELECT count(*) FROM document_failures WHERE document_id = 'unknown-document'")
     # Not processed: the index still holds the version before it.
     indexed = await indexed_documents(pool, connection_id)
     assert "chronoterm" not in " ".join(text for _, _, text in indexed["doc1.md"][1])

@@ -15,6 +15,7 @@ The dead letter names the topic, partition and offset, carries the key and value
 ``PAYLOAD_LIMIT``), and the document's header when one can be read; with a header the failure is
 also recorded on the document, so its sync run counts it failed instead of waiting for it, and
 ``POST /v1/replays`` can re-drive it. Then the message is acknowledged: the offset moves on.
+docs/faults.md describes this with the rest of the Kafka mode's faults and the tests that prove it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+import asyncpg
 from aiokafka import ConsumerRecord
 from faststream import BaseMiddleware
 from faststream.message import StreamMessage
@@ -167,7 +169,12 @@ async def dead_letter(service: _Service, poison: Poison, step: str) -> DeadLette
     retry_count = 0
     if poison.header is not None:
         failure = StageFailure(poison.code.value, poison.reason, poison.retryable)
-        retry_count = (await record_failure(service.runtime.store, poison.header, step, failure)).retry_count
+        try:
+            retry_count = (await record_failure(service.runtime.store, poison.header, step, failure)).retry_count
+        except asyncpg.ForeignKeyViolationError:
+            # The header names a connection this database does not know (deleted since, or never
+            # ours): nothing to record it on, and retrying would not change that. The letter goes.
+            logger.warning("poison message of unknown connection %s", poison.header.connection_id)
     letter = DeadLetter(
         header=poison.header,
         step=step,
