@@ -100,7 +100,13 @@ class ServiceContext:
             await asyncio.sleep(_REDELIVERY_PAUSE_S)
             raise error
         failure = classify(error)
-        recorded = await record_failure(self.runtime.store, header, step, failure)
+        retry_count = 0
+        try:
+            retry_count = (await record_failure(self.runtime.store, header, step, failure)).retry_count
+        except asyncpg.ForeignKeyViolationError:
+            # Its connection was deleted while the document was in flight: no row can name it, and
+            # raising would redeliver the message forever. The dead letter still tells.
+            logger.warning("document %s of deleted connection %s", header.source, header.connection_id)
         logger.warning("document %s failed at %s: %s", header.source, step, failure.code)
         dead = DeadLetter(
             header=header,
@@ -108,7 +114,7 @@ class ServiceContext:
             code=failure.code,
             message=failure.message,
             retryable=failure.retryable,
-            retry_count=recorded.retry_count,
+            retry_count=retry_count,
         )
         await self.publish(Topic.DEAD_LETTER, dead, header.document_id)
 
