@@ -49,7 +49,7 @@ from tests.support.pipeline import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka, pytest.mark.usefixtures("private_networks")]
 
-DOCUMENTS = 240
+DOCUMENTS = 160
 DIMENSION = 64
 # The fault strikes once this fraction of the documents is indexed, or this fraction is listed,
 # whichever comes first: while the fetcher is still announcing if the machine is slow.
