@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from faststream.kafka import KafkaBroker, TestKafkaBroker
 from pydantic import BaseModel
 
 from ragstream.messages import (
@@ -16,8 +17,9 @@ from ragstream.messages import (
     DocumentDeleted,
     DocumentHeader,
     MessageOrigin,
+    Topic,
 )
-from ragstream.poison import CONSUMED, PoisonCode, inspect
+from ragstream.poison import CONSUMED, PoisonCode, PoisonGuard, inspect
 
 HEADER = DocumentHeader(
     document_id="doc-1",
@@ -111,3 +113,43 @@ def test_a_dead_letter_without_a_document_round_trips_with_its_bytes() -> None:
     again = DeadLetter.model_validate_json(letter.model_dump_json())
     assert again.origin == ORIGIN
     assert again.header is None
+
+
+class RecordingService:
+    """Stands in for ``ServiceContext`` where no document is named: only ``publish`` is reached."""
+
+    runtime = None
+
+    def __init__(self) -> None:
+        self.published: list[tuple[Topic, DeadLetter, str]] = []
+
+    async def publish(self, topic: Topic, message: DeadLetter, key: str) -> None:
+        self.published.append((topic, message, key))
+
+
+async def test_the_guard_keeps_a_poison_message_from_its_handler_in_memory() -> None:
+    """The middleware on FastStream's in-memory broker: the poison is dead-lettered and acked, the
+    handler sees only the good message after it."""
+    broker = KafkaBroker()
+    broker.add_middleware(PoisonGuard)
+    seen: list[DocumentChanged] = []
+
+    @broker.subscriber(Topic.DOC_CHANGED.value, group_id="ragstream-chunker")
+    async def doc_changed(message: DocumentChanged) -> None:
+        seen.append(message)
+
+    service = RecordingService()
+    async with TestKafkaBroker(broker) as memory:
+        memory.context.set_global("service", service)
+        await memory.publish(b"\xff\xfe garbage", Topic.DOC_CHANGED.value, key=b"doc-9")
+        await memory.publish(DocumentChanged(header=HEADER), Topic.DOC_CHANGED.value, key=b"doc-1")
+    assert seen == [DocumentChanged(header=HEADER)]
+    ((topic, letter, key),) = service.published
+    assert (topic, letter.code, letter.step, letter.header, key) == (
+        Topic.DEAD_LETTER,
+        "undecodable_message",
+        "chunk",
+        None,
+        "doc-9",
+    )
+    assert letter.origin is not None and letter.origin.payload == b"\xff\xfe garbage"
