@@ -190,7 +190,7 @@ async def test_a_kafka_stage_retries_before_it_dead_letters(runtime: Runtime, ka
         letters = {
             letter.header.source: (letter.code, letter.retry_count)
             async for letter in dead_letters(kafka_bootstrap)
-            if letter.header.connection_id == connection
+            if letter.header is not None and letter.header.connection_id == connection
         }
         assert letters == {"outage": ("embedding_unavailable", 2), "binary": ("binary", 0)}
     finally:

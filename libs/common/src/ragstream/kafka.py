@@ -20,6 +20,7 @@ from faststream.middlewares import AckPolicy
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
+from pydantic import ValidationError
 
 from ragstream.messages import DeadLetter, DocumentChanged, DocumentDeleted, Topic
 from ragstream.metrics import CONSUMER_LAG, MESSAGES_OUT
@@ -158,7 +159,12 @@ async def dead_letters(bootstrap_servers: str) -> AsyncIterator[DeadLetter]:
             for partition, records in (await consumer.getmany(*remaining, timeout_ms=1000)).items():
                 for record in records:
                     if record.offset < ends[partition] and record.value is not None:
-                        yield DeadLetter.model_validate_json(record.value)
+                        try:
+                            letter = DeadLetter.model_validate_json(record.value)
+                        except ValidationError as error:  # not ours: one bad record must not stop a replay
+                            logger.warning("skipping dead letter %s@%d: %s", partition, record.offset, error)
+                            continue
+                        yield letter
                 if await consumer.position(partition) >= ends[partition]:
                     remaining.discard(partition)
     finally:
