@@ -1,5 +1,5 @@
-"""The ``ragstream`` command: embedded mode (up), folder sync (ingest), search, sync status, replay and
-credential rotation."""
+"""The ``ragstream`` command: embedded mode (up), the distributed mode on one machine (run-distributed),
+folder sync (ingest), search, sync status, replay, migrations and credential rotation."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from ragstream.runtime import Runtime, open_database, open_runtime, resolve_data
 from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
-from ragstream.storage.database import connect_pool
+from ragstream.storage.database import apply_migrations, connect_pool
 
 __all__ = ["app"]
 
@@ -428,6 +428,54 @@ def up(
             )
 
     asyncio.run(main())
+
+
+@app.command("run-distributed")
+def run_distributed(
+    source: Annotated[list[Path] | None, typer.Option("--source", help="Folder to sync (repeatable)")] = None,
+    port: Annotated[int, typer.Option("--port", envvar="PORT", help="Search API (retriever) port")] = 8080,
+    control_port: Annotated[
+        int, typer.Option("--control-port", envvar="CONTROL_PORT", help="Control-plane API (connector-fetcher) port")
+    ] = 8081,
+    grpc_port: Annotated[
+        int,
+        typer.Option("--grpc-port", envvar="RAGSTREAM_GRPC_PORT", min=0, max=65535, help="gRPC API port; 0 disables"),
+    ] = 50051,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    sync_interval: Annotated[float, typer.Option("--sync-interval", help="Seconds between syncs", min=1)] = 3600,
+) -> None:
+    """Distributed mode on this machine: Apache Kafka, PostgreSQL with pgvector and the five services as
+    separate processes; search on --port, the control-plane API on --control-port. Ctrl-C stops all."""
+    from ragstream.distributed import DistributedOptions
+    from ragstream.distributed import run_distributed as launch
+
+    options = DistributedOptions(
+        host=host,
+        port=port,
+        control_port=control_port,
+        grpc_port=grpc_port,
+        sources=[path.resolve() for path in source or []],
+        sync_interval_s=sync_interval,
+        data_dir=Settings().data_dir,
+    )
+    raise typer.Exit(launch(options))
+
+
+@app.command()
+def migrate(
+    database_url: Annotated[
+        str | None, typer.Option("--database-url", help="PostgreSQL DSN; default DATABASE_URL, else the embedded store")
+    ] = None,
+) -> None:
+    """Apply the database migrations not applied yet (the deployments run this as a Job before the services)."""
+
+    async def main() -> list[str]:
+        settings = Settings(database_url=database_url) if database_url else Settings()
+        async with resolve_database(settings) as dsn:
+            return await apply_migrations(dsn)
+
+    applied = asyncio.run(main())
+    typer.echo(f"{len(applied)} migration(s) applied" + (": " + ", ".join(applied) if applied else ""))
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")
