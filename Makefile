@@ -43,6 +43,10 @@ lint: install
 proto: install
 	$(BIN)/python scripts/generate_proto.py libs/common/src
 
+# docs/asyncapi.json, the AsyncAPI document of every Kafka topic; a test fails when it is stale.
+asyncapi: install
+	$(BIN)/python -m ragstream.asyncapi docs/asyncapi.json
+
 bench: install system-deps
 	$(BIN)/python -m bench.ingest
 
