@@ -403,6 +403,9 @@ def up(
     Each folder becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
     from ragstream.api.auth import Access, AccessSetupError
     from ragstream.embedded import serve
+    from ragstream.telemetry import tracer_provider
+
+    tracer_provider("up")  # spans of every request, exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
 
     try:  # before the store starts: a refused host costs nothing
         access = Access.for_embedded(Settings(), host)
