@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import asyncpg
 import typer
 from pydantic import ValidationError
 from rich.console import Console
@@ -32,7 +34,7 @@ from ragstream.runtime import Runtime, open_database, open_runtime, resolve_data
 from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
-from ragstream.storage.database import apply_migrations, connect_pool
+from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
 
 __all__ = ["app"]
 
@@ -469,16 +471,45 @@ def migrate(
     database_url: Annotated[
         str | None, typer.Option("--database-url", help="PostgreSQL DSN; default DATABASE_URL, else the embedded store")
     ] = None,
+    wait: Annotated[
+        float | None,
+        typer.Option(
+            "--wait",
+            help="Apply nothing: wait up to this many seconds until the migrations are applied (by another "
+            "process, e.g. the deployment's migration Job), then exit 0; else exit 1",
+            min=0,
+        ),
+    ] = None,
 ) -> None:
-    """Apply the database migrations not applied yet (the deployments run this as a Job before the services)."""
+    """Apply the database migrations not applied yet; the deployments run this as a Job before the services."""
+    settings = Settings(database_url=database_url) if database_url else Settings()
 
-    async def main() -> list[str]:
-        settings = Settings(database_url=database_url) if database_url else Settings()
+    async def apply() -> list[str]:
         async with resolve_database(settings) as dsn:
             return await apply_migrations(dsn)
 
-    applied = asyncio.run(main())
-    typer.echo(f"{len(applied)} migration(s) applied" + (": " + ", ".join(applied) if applied else ""))
+    async def applied_elsewhere(timeout_s: float) -> list[str]:
+        """What is still pending at the deadline (the database unreachable meanwhile counts as pending)."""
+        deadline = time.monotonic() + timeout_s
+        async with resolve_database(settings) as dsn:
+            while True:
+                try:
+                    pending = await pending_migrations(dsn)
+                except (OSError, asyncpg.PostgresError) as error:
+                    pending = [f"(database unreachable: {error})"]
+                if not pending or time.monotonic() >= deadline:
+                    return pending
+                await asyncio.sleep(2)
+
+    if wait is None:
+        applied = asyncio.run(apply())
+        typer.echo(f"{len(applied)} migration(s) applied" + (": " + ", ".join(applied) if applied else ""))
+        return
+    pending = asyncio.run(applied_elsewhere(wait))
+    if pending:
+        console.print(f"[red]migrations still pending after {wait:.0f} s: {', '.join(pending)}[/]", highlight=False)
+        raise typer.Exit(1)
+    typer.echo("the database schema is current")
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")
