@@ -25,8 +25,9 @@ from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import RunOutcome, SyncRunner
 from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgress, SyncRunStore
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
+from ragstream.jobs.progress import SyncProgress
+from ragstream.jobs.sync import SyncReport
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
-from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest

@@ -1,0 +1,73 @@
+"""The Kafka transport: announcements are published to the topics, and the stage services' commits
+and give-ups, read back from PostgreSQL, say when they have settled."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from faststream.kafka import KafkaBroker
+
+from ragstream.control.runs import SyncRunStore
+from ragstream.kafka import KafkaChangeSink
+from ragstream.messages import DocumentChanged, DocumentDeleted
+from ragstream.transport.base import OnSettled, Settled
+
+__all__ = ["KafkaTransport"]
+
+
+class _TopicDelivery:
+    """Publishes each announcement (acknowledged by Kafka before it returns) and remembers the
+    ``(document id, version)`` of every change, which is what settling waits for."""
+
+    def __init__(self, sink: KafkaChangeSink, runs: SyncRunStore, on_settled: OnSettled, poll_s: float) -> None:
+        self._sink = sink
+        self._runs = runs
+        self._on_settled = on_settled
+        self._poll_s = poll_s
+        self._announced: list[tuple[str, int]] = []
+        self._deleted = 0
+
+    async def changed(self, message: DocumentChanged) -> None:
+        await self._sink.changed(message)
+        self._announced.append((message.header.document_id, message.header.version))
+
+    async def deleted(self, message: DocumentDeleted) -> None:
+        # Acknowledged is as settled as a deletion gets here: the indexer applies it in its own
+        # time, and ignores it if a newer version was committed meanwhile.
+        await self._sink.deleted(message)
+        self._deleted += 1
+
+    async def settle(self) -> Settled:
+        """Poll what the indexer committed and the stages gave up on, until it covers every change
+        announced; ``on_settled`` sees each reading, so a run's heartbeat moves only when the
+        downstream counts do and a stalled pipeline goes stale."""
+        while True:
+            downstream = await self._runs.downstream(self._announced)
+            settled = Settled(
+                indexed=downstream.indexed,
+                failed=downstream.failed,
+                chunks=downstream.chunks,
+                deleted=self._deleted,
+                vectors=downstream.indexed,
+                missing_vectors=downstream.failed_embedding,
+            )
+            self._on_settled(settled)
+            if downstream.settled(len(self._announced)):
+                return settled
+            await asyncio.sleep(self._poll_s)
+
+
+class KafkaTransport:
+    """Announces to ``doc.changed`` / ``doc.deleted`` through ``broker``; the chunker, embedder and
+    indexer services do the work, each retrying, recording and dead-lettering its own failures."""
+
+    def __init__(self, broker: KafkaBroker, runs: SyncRunStore, *, poll_interval_s: float) -> None:
+        self._sink = KafkaChangeSink(broker)
+        self._runs = runs
+        self._poll_s = poll_interval_s
+
+    @asynccontextmanager
+    async def open(self, on_settled: OnSettled) -> AsyncIterator[_TopicDelivery]:
+        yield _TopicDelivery(self._sink, self._runs, on_settled, self._poll_s)
