@@ -216,3 +216,28 @@ def test_a_folder_connection_syncs_edits_and_deletes_then_sigterm_stops_everythi
     assert launched.process.wait(timeout=120) == 0, launched.text()
     assert "stopped" in launched.text()
     assert marked_processes(launched.mark) == []
+
+
+def run_refused(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != "RAGSTREAM_API_KEYS"}
+    env["RAGSTREAM_DATA_DIR"] = str(tmp_path)
+    command = [str(Path(sys.executable).with_name("ragstream")), "run-distributed", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused = run_refused(tmp_path, "--port", str(port), "--control-port", str(_free_port()))
+    assert refused.returncode != 0
+    assert f"127.0.0.1:{port} (for the retriever) is already in use" in refused.stderr
+    assert not (tmp_path / "distributed").exists()  # no broker, no database, no logs
+
+
+def test_serving_the_network_without_api_keys_is_refused(tmp_path: Path) -> None:
+    refused = run_refused(tmp_path, "--host", "0.0.0.0", "--port", str(_free_port()))
+    assert refused.returncode != 0
+    assert "set RAGSTREAM_API_KEYS" in refused.stderr
+    assert not (tmp_path / "distributed").exists()

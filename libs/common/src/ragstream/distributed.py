@@ -148,13 +148,15 @@ class DistributedRun:
         self._stack.close()
 
     def _start(self) -> None:
+        # Refusals first, before a broker or a database is started for nothing.
+        open_access = self._check_access()
+        ports = self._ports()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.database_url = self.environ.get("DATABASE_URL") or self._start_postgres()
         # Once, before any service: five services must not all wait on the migration lock.
         asyncio.run(apply_migrations(self.database_url))
         self.kafka_bootstrap = self.environ.get("KAFKA_BOOTSTRAP_SERVERS") or self._start_kafka()
-        env = self._service_env()
-        ports = self._ports()
+        env = self._service_env(open_access)
         self._stack.callback(self._stop_services)
         for name in SERVICE_APPS:
             self.services.append(_ServiceProcess(name, self.options.host, ports[name], env, self.log_dir).start())
@@ -172,7 +174,15 @@ class DistributedRun:
         self._stack.callback(node.stop)
         return bootstrap
 
-    def _service_env(self) -> dict[str, str]:
+    def _check_access(self) -> bool:
+        """Whether the services run without keys: as ``ragstream up``, only on loopback."""
+        if "RAGSTREAM_API_KEYS" in self.environ:
+            return False
+        if not _is_loopback(self.options.host):
+            raise SystemExit(f"--host {self.options.host} serves the network: set RAGSTREAM_API_KEYS first")
+        return True
+
+    def _service_env(self, open_access: bool) -> dict[str, str]:
         options = self.options
         env = self.environ | {
             "DATABASE_URL": self.database_url,
@@ -184,10 +194,7 @@ class DistributedRun:
         }
         if "RAGSTREAM_CREDENTIAL_KEYS" not in env:
             env["RAGSTREAM_CREDENTIAL_KEYS"] = self._credential_key()
-        if "RAGSTREAM_API_KEYS" not in env:
-            # As `ragstream up`: without keys, open on loopback only (trusted local use).
-            if not _is_loopback(options.host):
-                raise SystemExit(f"--host {options.host} serves the network: set RAGSTREAM_API_KEYS first")
+        if open_access:
             env["RAGSTREAM_AUTH"] = "none"
         return env
 
