@@ -1,7 +1,8 @@
 """The sync job's behaviour, the same over both transports: in-memory workers, and the Kafka stage
 services on a real broker. The guard stops a degraded sync and it deletes nothing; deletions go
-last; transient failures are retried per document; progress carries its rate and ETA; a second sync
-of a connection is refused while one runs."""
+last; transient failures are retried per document; a document refused as stale by a switch is run
+again at once; progress carries its rate and ETA; a second sync of a connection is refused while one
+runs."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ragstream.runtime import Runtime
 from ragstream.settings import StageRetrySettings
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
-from ragstream.storage.documents import DocumentStore
+from ragstream.storage.documents import DocumentStore, StaleChunkingError
 from ragstream.transport.kafka import KafkaTransport
 from ragstream.transport.memory import MemoryTransport
 from tests.support.stages import kafka_stages
@@ -73,8 +74,13 @@ class RecordingIndexer(IndexService):
     def __init__(self, store: DocumentStore) -> None:
         super().__init__(store)
         self.calls: list[tuple[str, str]] = []
+        # Refuse each document's first commit as a re-chunk switch would (``refused``).
+        self.refuse_once = False
 
     async def run(self, message: ChunksEmbedded) -> DocumentIndexed | None:
+        if self.refuse_once and ("refused", message.header.source) not in self.calls:
+            self.calls.append(("refused", message.header.source))
+            raise StaleChunkingError(message.header.document_id, message.index_version, message.index_version + 1)
         indexed = await super().run(message)
         if indexed is not None:
             self.calls.append(("index", message.header.source))
@@ -198,6 +204,18 @@ async def test_progress_carries_its_rate_and_eta(harness: Harness, folder: Path)
             assert eta is None
         else:
             assert eta == pytest.approx((listed - done) / rate, rel=0.05)
+
+
+async def test_a_document_refused_as_stale_is_run_again_at_once(harness: Harness, folder: Path) -> None:
+    write(folder, 4, "spoonbills")
+    harness.indexer.refuse_once = True
+
+    report = await harness.job.sync(FolderConnector(folder))
+
+    assert report.ok and report.progress.indexed == 4, report.failures
+    assert sorted(harness.indexer.calls) == sorted(
+        (kind, f"page-{index:02}.md") for index in range(4) for kind in ("index", "refused")
+    )
 
 
 class SlowFolder(FolderConnector):
