@@ -445,6 +445,19 @@ class SyncRunStore:
             indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"], failed_embedding=row["failed_embedding"]
         )
 
+    async def deletions(self, announced: Sequence[tuple[str, int]]) -> tuple[int, int]:
+        """Of these announced deletions (``(document id, version)`` pairs): how many the indexer has
+        applied, and how many have settled (applied, or outranked by a newer version committed since)."""
+        row = await self._pool.fetchrow(
+            "SELECT count(*) FILTER (WHERE d.status = 'deleted') AS deleted, count(d.id) AS settled"
+            " FROM unnest($1::text[], $2::bigint[]) AS announced (id, version)"
+            " LEFT JOIN documents d ON d.id = announced.id AND d.version >= announced.version",
+            [document_id for document_id, _ in announced],
+            [version for _, version in announced],
+        )
+        assert row is not None
+        return int(row["deleted"]), int(row["settled"])
+
     async def sync_error(self, connection_id: str) -> str | None:
         """Why the latest sync failed, if it did, then the documents that did not index by code."""
         error = await self._pool.fetchval("SELECT connection_sync_error($1)", connection_id)

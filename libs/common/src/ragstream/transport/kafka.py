@@ -1,5 +1,5 @@
-"""The Kafka transport: announcements are published to the topics, and the stage services' commits
-and give-ups, read back from PostgreSQL, say when they have settled."""
+"""The Kafka transport: announcements are published to the topics, and the stage services' commits,
+deletions and give-ups, read back from PostgreSQL, say when they have settled."""
 
 from __future__ import annotations
 
@@ -27,34 +27,33 @@ class _TopicDelivery:
         self._on_settled = on_settled
         self._poll_s = poll_s
         self._announced: list[tuple[str, int]] = []
-        self._deleted = 0
+        self._deletions: list[tuple[str, int]] = []
 
     async def changed(self, message: DocumentChanged) -> None:
         await self._sink.changed(message)
         self._announced.append((message.header.document_id, message.header.version))
 
     async def deleted(self, message: DocumentDeleted) -> None:
-        # Acknowledged is as settled as a deletion gets here: the indexer applies it in its own
-        # time, and ignores it if a newer version was committed meanwhile.
         await self._sink.deleted(message)
-        self._deleted += 1
+        self._deletions.append((message.document_id, message.version))
 
     async def settle(self) -> Settled:
-        """Poll what the indexer committed and the stages gave up on, until it covers every change
-        announced; ``on_settled`` sees each reading, so a run's heartbeat moves only when the
-        downstream counts do and a stalled pipeline goes stale."""
+        """Poll what the indexer committed or deleted and the stages gave up on, until it covers
+        every announcement; ``on_settled`` sees each reading, so a run's heartbeat moves only when
+        the downstream counts do and a stalled pipeline goes stale."""
         while True:
             downstream = await self._runs.downstream(self._announced)
+            deleted, deletions_settled = await self._runs.deletions(self._deletions)
             settled = Settled(
                 indexed=downstream.indexed,
                 failed=downstream.failed,
                 chunks=downstream.chunks,
-                deleted=self._deleted,
+                deleted=deleted,
                 vectors=downstream.indexed,
                 missing_vectors=downstream.failed_embedding,
             )
             self._on_settled(settled)
-            if downstream.settled(len(self._announced)):
+            if downstream.settled(len(self._announced)) and deletions_settled >= len(self._deletions):
                 return settled
             await asyncio.sleep(self._poll_s)
 

@@ -5,28 +5,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ragstream.failures import StageRetry, classify, record_failure, record_retry
 from ragstream.messages import DocumentChanged, DocumentDeleted, IndexOutcome
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
-from ragstream.storage.documents import DocumentStore, StaleChunkingError
-from ragstream.storage.spaces import RetiredSpaceError
+from ragstream.storage.documents import DocumentStore
 from ragstream.transport.base import OnSettled, Settled
+from ragstream.transport.document import STALE_ERRORS, DocumentAttempt, DocumentRun
 
 __all__ = ["MemoryTransport"]
 
 _Message = DocumentChanged | DocumentDeleted | None
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """Where the current attempt at a document is: the step a failure is recorded at."""
-
-    step: str = "chunk"
-    chunk_count: int = 0
 
 
 class _QueueDelivery:
@@ -68,9 +60,8 @@ class MemoryTransport:
         retry: StageRetry | None = None,
     ) -> None:
         self._store = store
-        self._chunker = chunker
-        self._embedder = embedder
         self._indexer = indexer
+        self._document = DocumentRun(chunker, embedder, indexer)
         self._workers = workers
         self._retry = retry or StageRetry()
 
@@ -98,46 +89,38 @@ class MemoryTransport:
             on_settled(replace(settled))
 
     async def _index(self, message: DocumentChanged, settled: Settled) -> bool:
-        """Chunk, embed and commit one document, retrying it whole on a transient failure; its chunks
-        count as embedded or not for the guard once it has indexed or run out of attempts.
-
-        Chunked just before a re-chunk switch and committed just after, a document is refused
-        (``StaleChunkingError``): it is chunked again at once with the config now active. Likewise
-        embedded just before a re-index switched its connection's model (``RetiredSpaceError``): it
-        is embedded again at once with the model now effective."""
-        try:
-            return await self._index_once(message, settled)
-        except (StaleChunkingError, RetiredSpaceError) as error:
-            if isinstance(error, RetiredSpaceError):
-                self._embedder.invalidate()
-            return await self._index_once(message, settled, last_try=True)
-
-    async def _index_once(self, message: DocumentChanged, settled: Settled, *, last_try: bool = False) -> bool:
-        attempt = _Attempt()
+        """Chunk, embed and commit one document, retrying it whole on a transient failure and once
+        more at once when a switch refused it as stale (see ``DocumentRun``); its chunks count as
+        embedded or not for the guard once it has indexed or run out of attempts."""
+        attempt = DocumentAttempt()
+        refused: BaseException | None = None
 
         async def run() -> None:
-            attempt.step, attempt.chunk_count = "chunk", 0
-            batches = await self._chunker.run(message)
-            attempt.chunk_count = sum(len(batch.chunks) for batch in batches)
-            for batch in batches:
-                attempt.step = "embed"
-                embedded = await self._embedder.run(batch)
-                attempt.step = "index"
-                indexed = await self._indexer.run(embedded)
-                if indexed is not None:
-                    settled.chunks += indexed.chunk_count
+            if refused is None:
+                committed = await self._document.run(message, attempt)
+            else:
+                committed = await self._document.rerun(message, refused, attempt)
+            settled.chunks += sum(indexed.chunk_count for indexed in committed)
 
         async def retrying(error: Exception) -> None:
             await record_retry(self._store, message.header, attempt.step, error)
 
-        try:
-            await self._retry.run(run, retrying)
-            settled.vectors += attempt.chunk_count
-            return True
-        except Exception as error:  # one document's failure must not stop the others; it is recorded
-            if isinstance(error, (StaleChunkingError, RetiredSpaceError)) and not last_try:
-                raise
-            if attempt.step == "embed":
-                settled.missing_vectors += attempt.chunk_count
-            await record_failure(self._store, message.header, attempt.step, classify(error))
+        while True:
+            try:
+                await self._retry.run(run, retrying)
+                settled.vectors += attempt.chunk_count
+                return True
+            except STALE_ERRORS as error:
+                if refused is not None:
+                    return await self._failed(message, attempt, settled, error)
+                refused = error
+            except Exception as error:  # one document's failure must not stop the others; it is recorded
+                return await self._failed(message, attempt, settled, error)
+
+    async def _failed(
+        self, message: DocumentChanged, attempt: DocumentAttempt, settled: Settled, error: Exception
+    ) -> bool:
+        if attempt.step == "embed":
+            settled.missing_vectors += attempt.chunk_count
+        await record_failure(self._store, message.header, attempt.step, classify(error))
         return False
