@@ -241,3 +241,40 @@ def test_serving_the_network_without_api_keys_is_refused(tmp_path: Path) -> None
     assert refused.returncode != 0
     assert "set RAGSTREAM_API_KEYS" in refused.stderr
     assert not (tmp_path / "distributed").exists()
+
+
+@pytest.mark.kafka
+def test_services_stop_when_the_launcher_is_killed(database_url: str, kafka_bootstrap: str, folders: Path) -> None:
+    """SIGKILL gives the launcher no chance to stop anything: each service still stops (its parent-death
+    signal), so none is left holding the search or control port. Kafka and PostgreSQL are given here."""
+    mark = uuid.uuid4().hex
+    search_port, control_port = _free_port(), _free_port()
+    env = {key: value for key, value in os.environ.items() if key != "RAGSTREAM_API_KEYS"}
+    env |= {
+        _MARK: mark,
+        "DATABASE_URL": database_url,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "RAGSTREAM_DATA_DIR": str(folders / "data"),
+        "RAGSTREAM_GRPC_PORT": "0",
+    }
+    command = [str(Path(sys.executable).with_name("ragstream")), "run-distributed"]
+    command += ["--port", str(search_port), "--control-port", str(control_port)]
+    output = folders / "launcher.log"
+    with output.open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    launched = Launched(process, f"http://127.0.0.1:{search_port}", f"http://127.0.0.1:{control_port}", mark, output)
+    try:
+        wait_until(lambda: "Ctrl-C stops everything" in launched.text(), _READY_TIMEOUT_S, "ready", launched)
+        assert len(marked_processes(mark)) == 6  # the launcher and five services
+        process.kill()
+        process.wait(10)
+        deadline = time.monotonic() + 60
+        while marked_processes(mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert marked_processes(mark) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in marked_processes(mark):
+            os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, Self
@@ -53,6 +55,7 @@ _ROLES = {
 # A service answers SIGTERM by draining its work; then it is killed.
 _STOP_TIMEOUT_S = 30.0
 _POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Stopped(Exception):
@@ -90,7 +93,12 @@ class _ServiceProcess:
         command += ["--host", self.host, "--port", str(self.port), "--log-level", "warning"]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_stop_with_parent(os.getpid()),
             )
         return self
 
@@ -276,6 +284,21 @@ def run_distributed(options: DistributedOptions) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_with_parent(parent: int) -> Callable[[], None] | None:
+    """For a child, before it runs: SIGTERM when the launcher dies, even killed by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so a service never outlives it holding its port."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arrange() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the launcher died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arrange
 
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
