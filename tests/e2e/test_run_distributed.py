@@ -278,3 +278,11 @@ def test_services_stop_when_the_launcher_is_killed(database_url: str, kafka_boot
             process.wait()
         for pid in marked_processes(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_same_port_for_two_apis_is_refused(tmp_path: Path) -> None:
+    port = str(_free_port())
+    refused = run_refused(tmp_path, "--port", port, "--control-port", port)
+    assert refused.returncode != 0
+    assert "must differ" in refused.stderr
+    assert not (tmp_path / "distributed").exists()

@@ -219,7 +219,10 @@ class DistributedRun:
     def _ports(self) -> dict[str, int]:
         options = self.options
         fixed = {"retriever": options.port, "connector-fetcher": options.control_port}
-        for name, port in fixed.items():
+        wanted = [*fixed.items(), *([("retriever's gRPC", options.grpc_port)] if options.grpc_port else [])]
+        if len({port for _, port in wanted}) < len(wanted):
+            raise SystemExit(f"the search, control and gRPC ports must differ: {dict(wanted)}")
+        for name, port in wanted:
             if not _port_free(options.host, port):
                 raise SystemExit(f"{options.host}:{port} (for the {name}) is already in use")
         stages = [name for name in SERVICE_APPS if name not in fixed]
