@@ -4,6 +4,7 @@ deletions and give-ups, read back from PostgreSQL, say when they have settled.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,7 +20,9 @@ __all__ = ["KafkaTransport"]
 
 class _TopicDelivery:
     """Publishes each announcement (acknowledged by Kafka before it returns) and remembers the
-    ``(document id, version)`` of every change, which is what settling waits for."""
+    ``(document id, version)`` of every change, which is what settling waits for. While announcing,
+    it also reads what has settled so far every ``poll_s``: progress moves during a long listing, and
+    the guard can stop a degraded sync before it has announced everything."""
 
     def __init__(self, sink: KafkaChangeSink, runs: SyncRunStore, on_settled: OnSettled, poll_s: float) -> None:
         self._sink = sink
@@ -28,10 +31,13 @@ class _TopicDelivery:
         self._poll_s = poll_s
         self._announced: list[tuple[str, int]] = []
         self._deletions: list[tuple[str, int]] = []
+        self._read_at = time.monotonic()
 
     async def changed(self, message: DocumentChanged) -> None:
         await self._sink.changed(message)
         self._announced.append((message.header.document_id, message.header.version))
+        if time.monotonic() - self._read_at >= self._poll_s:
+            await self._read()
 
     async def deleted(self, message: DocumentDeleted) -> None:
         await self._sink.deleted(message)
@@ -42,20 +48,27 @@ class _TopicDelivery:
         every announcement; ``on_settled`` sees each reading, so a run's heartbeat moves only when
         the downstream counts do and a stalled pipeline goes stale."""
         while True:
-            downstream = await self._runs.downstream(self._announced)
-            deleted, deletions_settled = await self._runs.deletions(self._deletions)
-            settled = Settled(
-                indexed=downstream.indexed,
-                failed=downstream.failed,
-                chunks=downstream.chunks,
-                deleted=deleted,
-                vectors=downstream.indexed,
-                missing_vectors=downstream.failed_embedding,
-            )
-            self._on_settled(settled)
-            if downstream.settled(len(self._announced)) and deletions_settled >= len(self._deletions):
-                return settled
+            if (reading := await self._read()) is not None:
+                return reading
             await asyncio.sleep(self._poll_s)
+
+    async def _read(self) -> Settled | None:
+        """Read and report what has settled; returned only once it is everything announced."""
+        self._read_at = time.monotonic()
+        downstream = await self._runs.downstream(self._announced)
+        deleted, deletions_settled = await self._runs.deletions(self._deletions)
+        settled = Settled(
+            indexed=downstream.indexed,
+            failed=downstream.failed,
+            chunks=downstream.chunks,
+            deleted=deleted,
+            vectors=downstream.indexed,
+            missing_vectors=downstream.failed_embedding,
+        )
+        self._on_settled(settled)
+        if downstream.settled(len(self._announced)) and deletions_settled >= len(self._deletions):
+            return settled
+        return None
 
 
 class KafkaTransport:
