@@ -38,7 +38,7 @@ from ragstream.settings import ApiKeys, Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
-from tests.support.connections import private_database
+from tests.support.connections import fetcher_database, private_database
 from tests.test_scope_acl import connection, index
 
 pytestmark = pytest.mark.integration
@@ -114,12 +114,18 @@ async def retriever_service(database_url: str, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.fixture
-def fetcher_service(monkeypatch: pytest.MonkeyPatch) -> FastAPI:
-    """The connector-fetcher as uvicorn builds it; its lifespan needs Kafka, and the check comes first."""
+async def fetcher_service(
+    database_url: str, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[FastAPI]:
+    """The connector-fetcher as uvicorn builds it, its lifespan run: the control plane joins then."""
     from ragstream_fetcher.main import create_app as create_fetcher
 
-    monkeypatch.setenv("RAGSTREAM_API_KEYS", KEYS)
-    return create_fetcher()
+    async with fetcher_database(database_url, kafka_bootstrap, monkeypatch, scheduler_enabled="false"):
+        monkeypatch.delenv("RAGSTREAM_AUTH")
+        monkeypatch.setenv("RAGSTREAM_API_KEYS", KEYS)
+        app = create_fetcher()
+        async with app.router.lifespan_context(app):
+            yield app
 
 
 def routes_of(app: FastAPI) -> set[tuple[str, str]]:
@@ -249,8 +255,13 @@ async def test_ragstream_up_serves_both_apis_behind_the_keys(database_url: str) 
             await asyncio.gather(server, return_exceptions=True)
 
 
-async def test_every_route_of_the_fetcher_service_is_behind_the_keys(fetcher_service: FastAPI) -> None:
+@pytest.mark.kafka
+async def test_every_route_of_the_fetcher_service_is_behind_the_keys(
+    fetcher_service: FastAPI, embedded: FastAPI
+) -> None:
     await walk(fetcher_service, OPEN)
+    # The same control plane as ragstream up: every route of up but search, none of its own.
+    assert routes_of(fetcher_service) == routes_of(embedded) - {("POST", "/v1/search")}
 
 
 async def test_a_route_added_later_is_admin_only(embedded: FastAPI) -> None:

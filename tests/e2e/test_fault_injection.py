@@ -225,7 +225,7 @@ def sync_state(fetcher: ServiceProcess, connection_id: str) -> tuple[str, int] |
     if response.status_code == 404:  # restarted before this sync began
         return None
     status = response.json()
-    return str(status["state"]), int(status["counts"].get("seen", 0))
+    return str(status["state"]), int(status["counts"].get("listed", 0))
 
 
 async def test_killed_services_converge_to_the_clean_index(

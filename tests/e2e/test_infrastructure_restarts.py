@@ -2,7 +2,7 @@
 
 Two faults, each during a sync of a few hundred documents through the real service processes:
 
-* the Kafka broker (a private one, ``tests.support.kafka_node``) is SIGKILLed once about a third of
+* the Kafka broker (a private one, ``ragstream.local_kafka``) is SIGKILLed once about a third of
   the documents are indexed, and restarted on the same port and storage a few seconds later;
 * PostgreSQL (a private ``EmbeddedPostgres``) is restarted at the same point (a fast shutdown, as
   for maintenance or a failover: every session is terminated by the administrator), and later, with
@@ -32,11 +32,11 @@ import pytest
 
 from ragstream.connectors.folder import FolderConnector
 from ragstream.kafka import ensure_topics
+from ragstream.local_kafka import KafkaNode
 from ragstream.storage.database import connect_pool
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from tests.support.connections import private_database
 from tests.support.fake_dashscope import run_fake_dashscope
-from tests.support.kafka_node import KafkaNode
 from tests.support.pipeline import (
     KafkaLag,
     Pipeline,

@@ -17,14 +17,13 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
 from faststream.middlewares import AckPolicy
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from ragstream.messages import DeadLetter, DocumentChanged, DocumentDeleted, Topic
 from ragstream.metrics import CONSUMER_LAG, MESSAGES_OUT
 from ragstream.settings import Settings
+from ragstream.telemetry import tracer_provider
 
 __all__ = ["KafkaChangeSink", "consumer_options", "create_broker", "dead_letters", "ensure_topics", "publish"]
 
@@ -82,9 +81,7 @@ def create_broker(bootstrap_servers: str, service: str) -> KafkaBroker:
             ConsumerLagMiddleware,
             # A recording SDK provider, so every published message carries a W3C traceparent header
             # and a document can be followed from fetcher to indexer in logs and traces.
-            KafkaTelemetryMiddleware(
-                tracer_provider=TracerProvider(resource=Resource.create({"service.name": f"ragstream-{service}"}))
-            ),
+            KafkaTelemetryMiddleware(tracer_provider=tracer_provider(service)),
             KafkaPrometheusMiddleware(registry=REGISTRY, app_name=f"ragstream_{service.replace('-', '_')}"),
         ),
     )

@@ -22,6 +22,7 @@ from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import ping
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.telemetry import tracer_provider
 
 __all__ = ["create_app"]
 
@@ -29,6 +30,7 @@ __all__ = ["create_app"]
 def create_app() -> FastAPI:
     """Refuses to build without ``RAGSTREAM_API_KEYS`` unless ``RAGSTREAM_AUTH=none``."""
     settings = Settings()
+    tracer_provider("retriever")  # HTTP spans, exported over OTLP when an endpoint is set
     access = Access.for_service(settings, "retriever")
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}

@@ -1,11 +1,12 @@
-"""A real single-node KRaft Apache Kafka broker for tests and benchmarks (no Docker).
+"""A real single-node KRaft Apache Kafka broker for tests, benchmarks and ``make run-distributed`` (no Docker).
 
 The broker jars come from Maven Central (``deploy/local-kafka/pom.xml``), fetched once
 with ``mvn dependency:copy-dependencies`` into ``<repo>/.cache/kafka/<version>/libs``
 (or ``$RAGSTREAM_KAFKA_LIBS``) and reused. Each start formats fresh storage under
 ``work_dir`` and runs ``kafka.Kafka`` on free ports of 127.0.0.1.
 
-Run one in the foreground: ``python -m tests.support.kafka_node --work-dir DIR``.
+It needs a source checkout (the pom lives in the repository, not in the wheel).
+Run one in the foreground: ``python -m ragstream.local_kafka --work-dir DIR``.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Self
 
-from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
+from aiokafka.admin import AIOKafkaAdminClient
 
 __all__ = ["KAFKA_VERSION", "KafkaNode", "KafkaNodeError", "kafka_libs"]
 
 KAFKA_VERSION = "4.4.0"
-_REPO = Path(__file__).resolve().parents[2]
+# libs/common/src/ragstream/local_kafka.py: the checkout is four levels up (editable install).
+_REPO = Path(__file__).resolve().parents[4]
 _POM = _REPO / "deploy" / "local-kafka" / "pom.xml"
 # The format tool runs for a second: skip the optimising JIT, halving its run time.
 _SHORT_LIVED_JVM = ["-Xmx256m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
