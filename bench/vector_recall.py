@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import os
 import statistics
 import time
@@ -46,7 +47,7 @@ from ragstream.retrieval.models import Principal, SearchFilters
 from ragstream.storage.database import connect_pool
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import SearchStore
+from ragstream.storage.search import SearchStore, _PgvectorVersion
 
 __all__ = ["main"]
 
@@ -240,7 +241,7 @@ async def exact(pool: asyncpg.Pool, table: str, vector: np.ndarray, scope: Scope
 
 def count_calls(store: SearchStore, counts: Counter[str]) -> None:
     """Count which paths ``vector_leg`` takes (HNSW scans, exact scans) by wrapping its helpers."""
-    for name in ("_hnsw_scan", "_exact_scan"):
+    for name in ("_hnsw_scan", "_iterative_scan", "_exact_scan"):
         inner = getattr(store, name)
 
         async def counted(*args: Any, inner: Any = inner, name: str = name) -> Any:
@@ -280,17 +281,27 @@ async def run_case(
         lines.append(f"{head} HNSW ef_search={ef}, post-filter | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
     recall, returned, p50 = await measure(lambda q: exact(pool, table, q, scope), corpus, visible)
     lines.append(f"{head} exact scan | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
-    counts: Counter[str] = Counter()
-    count_calls(store, counts)
+    # pgvector 0.8 and later: the iterative-scan policy, then the earlier one for comparison.
+    iterative_too = await store._has_iterative_scans(pool)
+    for iterative in (True, False) if iterative_too else (False,):
+        leg_store = copy.copy(store)
+        leg_store._pgvector = _PgvectorVersion(iterative)
+        counts: Counter[str] = Counter()
+        count_calls(leg_store, counts)
 
-    async def vector_leg(query: np.ndarray) -> list[str]:
-        return [hit.chunk_id for hit in await store.vector_leg(table, query, LIMIT, scope)]
+        async def vector_leg(query: np.ndarray, leg_store: SearchStore = leg_store) -> list[str]:
+            return [hit.chunk_id for hit in await leg_store.vector_leg(table, query, LIMIT, scope)]
 
-    recall, returned, p50 = await measure(vector_leg, corpus, visible)
-    calls = len(corpus.queries) + WARMUP
-    per_query = {name: counts[name] / calls for name in ("_hnsw_scan", "_exact_scan")}
-    paths = f"{per_query['_hnsw_scan']:.2f} HNSW + {per_query['_exact_scan']:.2f} exact per query"
-    lines.append(f"{head} **vector_leg** ({paths}) | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
+        recall, returned, p50 = await measure(vector_leg, corpus, visible)
+        calls = len(corpus.queries) + WARMUP
+        per_query = {name: counts[name] / calls for name in ("_hnsw_scan", "_iterative_scan", "_exact_scan")}
+        if iterative:
+            policy = f"iterative scan, max_scan_tuples {store._max_scan_tuples}"
+            paths = f"{per_query['_iterative_scan']:.2f} iterative + {per_query['_exact_scan']:.2f} exact per query"
+        else:
+            policy = "probe and widen"
+            paths = f"{per_query['_hnsw_scan']:.2f} HNSW + {per_query['_exact_scan']:.2f} exact per query"
+        lines.append(f"{head} **vector_leg**, {policy} ({paths}) | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
     return lines
 
 
@@ -308,7 +319,7 @@ async def bench(dsn: str, args: argparse.Namespace) -> None:
         print("|---|---:|---|---:|---:|---:|")
         for case in cases():
             if not args.only or case.name in args.only:
-                store = SearchStore(pool, ef_search=args.base_ef)
+                store = SearchStore(pool, ef_search=args.base_ef, max_scan_tuples=args.max_scan_tuples)
                 print("\n".join(await run_case(pool, store, table, corpus, case, args.ef)), flush=True)
     finally:
         await pool.close()
@@ -323,6 +334,7 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=1.2, help="isotropic noise per dimension (see module doc)")
     parser.add_argument("--ef", type=int, nargs="*", default=[40, 100, 200, 400])
     parser.add_argument("--base-ef", type=int, default=100, help="SearchStore ef_search (settings.hnsw_ef_search)")
+    parser.add_argument("--max-scan-tuples", type=int, default=2000, help="SearchStore max_scan_tuples (pgvector 0.8)")
     parser.add_argument("--only", nargs="*", help="scope names to run")
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/ragstream-vecbench"))
     parser.add_argument("--shared-buffers", default="1GB", help="for the private server only")
