@@ -49,7 +49,7 @@ WRONG = "wrong-key-" + "w" * 24
 KEYS = f"admin:{ADMIN},search:{SEARCH}"
 ACCESS = Access(ApiKeys.parse(KEYS))
 # The routes a search key may call; every other route that is not open must refuse it.
-SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}")}
+SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}"), ("POST", "/v1/knowledge")}
 # The routes anyone may call: probes, metrics and the API's description; a longer list fails here.
 OPEN = {"/healthz", "/readyz", "/metrics", "/metrics/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 
@@ -189,13 +189,43 @@ async def test_every_route_of_the_retriever_service_is_behind_the_keys(retriever
 
 
 async def grpc_keys_apply(port: int) -> None:
-    """The gRPC API on ``port`` answers a search key and refuses a call without one."""
+    """The gRPC API on ``port`` answers a search key and refuses a call without one, the knowledge
+    tool's included."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = retrieval_pb2_grpc.RetrievalStub(channel)
         request = retrieval_pb2.SearchRequest(query="kafka retention")
         assert await grpc_status(stub.Search(request)) == grpc.StatusCode.UNAUTHENTICATED
         authorized = stub.Search(request, metadata=[("authorization", f"Bearer {SEARCH}")])
         assert await grpc_status(authorized) == grpc.StatusCode.OK
+        knowledge = retrieval_pb2.KnowledgeRequest(action="search", query="kafka retention")
+        assert await grpc_status(stub.Knowledge(knowledge)) == grpc.StatusCode.UNAUTHENTICATED
+        answered = await stub.Knowledge(knowledge, metadata=[("authorization", f"Bearer {SEARCH}")])
+        assert answered.WhichOneof("outcome") == "search"
+        writer = retrieval_pb2.KnowledgeRequest(
+            action="create", platform="yuque", title="t", body="b", principal=retrieval_pb2.Principal(user="ceo")
+        )
+        refused = stub.Knowledge(writer, metadata=[("authorization", f"Bearer {ADMIN}")])
+        assert await grpc_status(refused) == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_the_retriever_service_serves_the_knowledge_tool_without_writes(
+    retriever_service: RetrieverService,
+) -> None:
+    async with client_of(retriever_service.app) as client:
+        headers = bearer(SEARCH)
+        found = await client.post("/v1/knowledge", json={"action": "search", "query": "kafka"}, headers=headers)
+        assert found.status_code == 200 and found.json()["search"]["query"] == "kafka"
+        create = {
+            "action": "create",
+            "platform": "yuque",
+            "title": "Minutes",
+            "body": "# Minutes\n\nAgreed.",
+            "principal": {"user": "ceo"},
+        }
+        written = await client.post("/v1/knowledge", json=create, headers=headers)
+        assert written.status_code == 200 and written.json()["error"]["code"] == "not_served_here"
+        # An admin key is an operator's: it may not write for a user through the tool.
+        assert (await client.post("/v1/knowledge", json=create, headers=bearer(ADMIN))).status_code == 403
 
 
 async def test_ragstream_up_serves_both_apis_behind_the_keys(database_url: str) -> None:

@@ -19,18 +19,27 @@ from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.connectors.folder import FolderConnector
 from ragstream.credentials import CredentialCipher
+from ragstream.retrieval import ChatTurn, HybridRetriever, SearchFilters, SearchRequest
 from ragstream.retrieval.direct import DirectSearch
+from ragstream.retrieval.rephrase import DashScopeChatRephraser
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.direct_connections import DirectConnectionStore
+from ragstream.storage.search import SearchStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.support.fake_dashscope import FakeDashScope
 from tests.support.fake_dingtalk import APP_KEY, APP_SECRET, OPERATOR, FakeDingTalk
 from tests.support.fake_ima import DEFAULT_API_KEY, DEFAULT_CLIENT_ID, FakeIma
 from tests.support.fake_yuque import DEFAULT_TOKEN, FakeYuque
 
-pytest_plugins = ["tests.support.fake_dingtalk", "tests.support.fake_ima", "tests.support.fake_yuque"]
+pytest_plugins = [
+    "tests.support.fake_dashscope",
+    "tests.support.fake_dingtalk",
+    "tests.support.fake_ima",
+    "tests.support.fake_yuque",
+]
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_networks")]
 
 #: Far below the 30-second default, so a slow platform is given up on quickly, yet ample for a
@@ -48,6 +57,7 @@ class Setup:
     searcher: SearchWithDirect
     connections: ConnectionStore
     folder_id: str
+    cipher: CredentialCipher
 
 
 @pytest.fixture
@@ -60,7 +70,8 @@ async def setup(runtime: Runtime, corpus: Path) -> AsyncIterator[Setup]:
     app = create_app(lambda: searcher, ready=ready)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield Setup(client, searcher, ConnectionStore(runtime.pool, cipher), FolderConnector(corpus).connection_id)
+            connections = ConnectionStore(runtime.pool, cipher)
+            yield Setup(client, searcher, connections, FolderConnector(corpus).connection_id, cipher)
     finally:
         await searcher.aclose()
 
@@ -285,3 +296,38 @@ async def test_hits_are_filtered_by_knowledge_base_and_metadata(setup: Setup, fa
     assert [result["title"] for result in people["results"]] == ["Retention bonus"]
     assert tagged["results"] == [] and tagged["degraded"] == []
     assert [path for path, _, _ in fake_yuque.requests].count("/api/v2/search") == 1  # none for the metadata filter
+
+
+async def test_the_rephraser_decides_before_any_platform_is_asked(
+    runtime: Runtime, setup: Setup, fake_yuque: FakeYuque, fake_dashscope: FakeDashScope
+) -> None:
+    """Chit-chat reaches no platform; a follow-up goes live as the same standalone question the
+    local legs search."""
+    repo = fake_yuque.add_repo("eng/ops", "Operations")
+    fake_yuque.add_doc(repo, "Retention policy", "The trades topic keeps a retention of 30 days.")
+    yuque = await yuque_connection(setup, fake_yuque)
+    rephraser = DashScopeChatRephraser(fake_dashscope.api_key, base_url=f"{fake_dashscope.base_url}/compatible-mode/v1")
+    retriever = HybridRetriever(
+        SearchStore(runtime.pool), runtime.embedder, CitationStore(runtime.pool), rephraser=rephraser
+    )
+    direct = DirectSearch(DirectConnectionStore(runtime.pool, setup.cipher), timeout_s=TIMEOUT_S)
+    searcher = SearchWithDirect(retriever, direct, CitationStore(runtime.pool))
+    scope = SearchFilters(connection_ids=[setup.folder_id, yuque])
+    history = [ChatTurn(role="user", content="What is the retention for the orderbook topic?")]
+    try:
+        chat = await searcher.search(SearchRequest(query="Hello!", history=history, filters=scope))
+        assert (chat.rephrase_outcome, chat.results) == ("chitchat", [])
+        assert not [path for path, _, _ in fake_yuque.requests if path == "/api/v2/search"]
+
+        follow_up = await searcher.search(
+            SearchRequest(query="And for the trades topic?", history=history, filters=scope)
+        )
+    finally:
+        await searcher.aclose()
+        await rephraser.aclose()
+
+    standalone = "What is the retention for the trades topic?"
+    assert (follow_up.rephrase_outcome, follow_up.rewritten_query) == ("rephrased", standalone)
+    asked = [query["q"] for path, query, _ in fake_yuque.requests if path == "/api/v2/search"]
+    assert asked == [standalone]
+    assert any(result.mode == "direct" for result in follow_up.results)

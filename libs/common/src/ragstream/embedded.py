@@ -19,20 +19,24 @@ from ragstream.api.auth import Access
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
+from ragstream.api.knowledge import knowledge_router
 from ragstream.api.rechunk import rechunk_router
 from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
+from ragstream.knowledge.control_plane import writing_knowledge
+from ragstream.knowledge.service import KnowledgeService
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
-from ragstream.runtime import Runtime
+from ragstream.runtime import Runtime, chosen_fusion
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import DatabaseUnavailable, ping
@@ -121,7 +125,8 @@ async def serve(
             )
         )
     try:
-        async with _grpc(runtime, searcher, host, grpc_port, access, admission, supervisor):
+        knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher)
+        async with _grpc(runtime, searcher, knowledge, host, grpc_port, access, admission, supervisor):
             await server.serve()
     finally:
         for task in background:
@@ -175,8 +180,8 @@ def api_app(
     supervisor: EmbeddedSupervisor | None = None,
 ) -> FastAPI:
     """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
-    re-chunking and re-indexing. Search is ``searcher`` when given (live platforms beside the index),
-    else the hybrid retriever alone."""
+    re-chunking and re-indexing, the knowledge tool. Search is ``searcher`` when given (live platforms
+    beside the index), else the hybrid retriever alone."""
 
     async def ready() -> bool:
         return await _ready(runtime, supervisor)
@@ -204,6 +209,7 @@ def api_app(
         )
 
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))
+    knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher or runtime.retriever)
     reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
 
     async def resolve_embedding(spec: dict[str, Any]) -> tuple[str, int]:
@@ -230,6 +236,8 @@ def api_app(
             sync_router(lambda: runs, runner.wake),
             replay_router(replay),
             reindex_router(reindexer, SpaceStore(runtime.pool)),
+            spaces_router(SpaceStore(runtime.pool), chosen_fusion(runtime.settings)),
+            knowledge_router(lambda: knowledge, admission=admission),
         ],
         title="ragstream",
         access=access,
@@ -242,6 +250,7 @@ def api_app(
 async def _grpc(
     runtime: Runtime,
     searcher: SearchWithDirect,
+    knowledge: KnowledgeService,
     host: str,
     port: int,
     access: Access,
@@ -258,6 +267,7 @@ async def _grpc(
 
     async with grpc_server(
         lambda: searcher,
+        knowledge=lambda: knowledge,
         host=host,
         port=port,
         ready=ready,

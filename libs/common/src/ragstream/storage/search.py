@@ -130,6 +130,8 @@ class SearchedSpace:
     table: str
     spec: dict[str, Any] | None
     active: bool
+    # The space's own fusion weights (``embedding_spaces.fusion``), None when it has none.
+    fusion: dict[str, Any] | None = None
 
 
 # The effective spaces (pinned, else active) of the searchable connections in scope ($1: the scope's
@@ -141,7 +143,7 @@ _SEARCHED_SPACES = """
                                  (SELECT model_key FROM embedding_spaces WHERE status = 'active')) AS model_key
         FROM connections k
         WHERE k.status = 'active' AND k.rag_enabled AND ($1::text[] IS NULL OR k.id = ANY($1::text[])))
-    SELECT s.model_key, s.table_name, s.spec, s.status = 'active' AS active FROM embedding_spaces s
+    SELECT s.model_key, s.table_name, s.spec, s.fusion, s.status = 'active' AS active FROM embedding_spaces s
     WHERE s.model_key IN (SELECT model_key FROM effective)
        OR (s.status = 'active' AND NOT EXISTS (SELECT 1 FROM effective))
     ORDER BY s.status = 'active' DESC, s.model_key
@@ -164,6 +166,11 @@ def _scope_probe(scope: Scope, chunk_id: str = "ca.chunk_id") -> str:
         " LATERAL (SELECT * FROM connections WHERE id = d.connection_id LIMIT 1) AS k"
         f" WHERE c.id = {chunk_id} AND {scope.sql} LIMIT 1"
     )
+
+
+def _jsonb(value: Any) -> Any:
+    """A jsonb column as Python (asyncpg hands jsonb over as text without a codec)."""
+    return json.loads(value) if isinstance(value, str) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,18 +263,28 @@ class SearchStore:
                 yield self._db
 
     async def embedding_table(self, model_key: str) -> str | None:
-        value = await self._db.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
-        return str(value) if value is not None else None
+        space = await self.space(model_key)
+        return space.table if space is not None else None
+
+    async def space(self, model_key: str) -> SearchedSpace | None:
+        """The space of one model, whatever its role (``active`` says whether it is the default)."""
+        row = await self._db.fetchrow(
+            "SELECT table_name, spec, fusion, status = 'active' AS active FROM embedding_spaces WHERE model_key = $1",
+            model_key,
+        )
+        if row is None:
+            return None
+        spec, fusion = (
+            json.loads(value) if isinstance(value, str) else value for value in (row["spec"], row["fusion"])
+        )
+        return SearchedSpace(model_key, row["table_name"], spec, row["active"], fusion)
 
     async def searched_spaces(self, connection_ids: Sequence[str] | None) -> list[SearchedSpace]:
         """The spaces whose vector legs cover the connections in scope (``_SEARCHED_SPACES``)."""
         rows = await self._db.fetch(_SEARCHED_SPACES, list(connection_ids) if connection_ids is not None else None)
         return [
             SearchedSpace(
-                row["model_key"],
-                row["table_name"],
-                json.loads(row["spec"]) if isinstance(row["spec"], str) else row["spec"],
-                row["active"],
+                row["model_key"], row["table_name"], _jsonb(row["spec"]), row["active"], _jsonb(row["fusion"])
             )
             for row in rows
         ]
