@@ -146,8 +146,8 @@ class HybridRetriever:
         or two models of a connection, nor loses at the read-back a chunk its legs found.
 
         The snapshot says which spaces the connections in scope use; the query is embedded once per
-        model: from the start by the models the cache expects, by any other once the snapshot named
-        it, while the keyword leg runs.
+        model: before the snapshot by the models the cache expects, by any other once the snapshot
+        named it (after a re-index switch the cache had not seen), while the keyword leg runs.
 
         The cached layout is read before the snapshot, never in it: the snapshot holds the search's
         one pool connection, and a cache refresh needs another (with every connection held by a
@@ -156,6 +156,9 @@ class HybridRetriever:
         active = (await self._spaces.current()).model_key if self._spaces is not None else None
         embeddings = {embedder.model_key: asyncio.create_task(self._embed(embedder, query)) for embedder in expected}
         try:
+            # Embedded before the snapshot opens: a snapshot waiting on a slow embedder would sit idle in
+            # its transaction, holding its pool connection until the idle timeout ends it.
+            await asyncio.gather(*embeddings.values())
             async with self._store.snapshot() as store:
                 spaces = await self._searched_spaces(store, connection_ids, active)
                 for space in spaces:

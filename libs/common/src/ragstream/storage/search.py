@@ -251,6 +251,10 @@ class SearchStore:
                 yield bound
         except (asyncpg.QueryCanceledError, asyncpg.IdleInTransactionSessionTimeoutError) as error:
             raise DatabaseBusy(f"a search statement ran past {self._timeout_ms} ms") from error
+        except (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError) as error:
+            # The server ended the snapshot's session (its idle timeout, a restart): the search may be
+            # asked again, like a busy database, rather than fail as an error of its own.
+            raise DatabaseBusy(f"the search's database session ended: {error}") from error
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Any]:
