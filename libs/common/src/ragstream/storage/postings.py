@@ -2,14 +2,15 @@
 
 Migration 0017 keeps, per (field, lexeme), the chunks holding it ordered by their BM25 term-frequency
 part (``impact``, under reference lengths), and the exact document frequency per connection and
-index version. A search reads the ``depth`` best postings of each query term, scores those chunks
-exactly (the same SQL expression as the exact path, with the in-scope df), and stops once the
-``limit``-th score beats what any unread chunk could reach: the sum over the terms whose lists were
-not read to the end of weight × idf × (last impact read) × drift. ``drift`` is max(1, current
-average length / reference average length): the term-frequency part grows with the average length
-and by at most that ratio, so stored impacts computed under older statistics stay valid bounds.
-Otherwise it reads deeper, and past ``max_depth`` hands back to the exact path. The result is the
-exact BM25 top-k, with the same scores.
+index version. A search reads the best postings of each query term (``first_depth`` of each list at
+first), bounds the score of every chunk read (MaxScore-style: its impacts read, and for each list
+not read to the end the last impact read, each times weight × idf × drift) and scores exactly, with
+the same SQL expression as the exact path and the in-scope df, only the chunks whose bound reaches
+the ``limit``-th exact score. It stops once that score beats the bound of every unread chunk; else it
+reads deeper (4×) in the lists that keep that bound high, and past ``max_depth`` hands back to the
+exact path. ``drift`` is max(1, current average length / reference average length): the
+term-frequency part grows with the average length and by at most that ratio, so impacts stored under
+older statistics stay valid bounds. The result is the exact BM25 top-k, with the same scores.
 """
 
 from __future__ import annotations
@@ -55,16 +56,34 @@ _FREQUENCIES = """
     FROM q
 """
 
-# One round: the ``depth`` best postings of each term (an index range scan each), how far each list
-# went, and the exact BM25 of the chunks read that are in scope. $1: term keys, $2: limit, scope from $3.
-_ROUND = """
-    WITH read AS MATERIALIZED (
-        SELECT t.ordinal, p.chunk_key, p.impact
-        FROM unnest($1::bigint[]) WITH ORDINALITY AS t(term, ordinal), LATERAL (
-            SELECT chunk_key, impact FROM keyword_postings WHERE term = t.term ORDER BY impact DESC LIMIT ${depth}
+# One round of reading: the best postings of each term (an index range scan each, as deep as that
+# term's depth), for each chunk read an upper bound of its score (its impacts read, times the terms'
+# bounds, plus for each other list not read to the end the bound times the last impact read), and per
+# list how far it went. $1: term keys, $2: depths, $3: bounds (weight × idf × drift × slack).
+_READ = """
+    WITH t AS (SELECT * FROM unnest($1::bigint[], $2::int[], $3::float8[])
+               WITH ORDINALITY AS t(term, depth, bound, ordinal)),
+    read AS MATERIALIZED (
+        SELECT t.ordinal, t.bound, p.chunk_key, p.impact
+        FROM t, LATERAL (
+            SELECT chunk_key, impact FROM keyword_postings WHERE term = t.term ORDER BY impact DESC LIMIT t.depth
         ) AS p),
     lists AS (SELECT ordinal, count(*) AS n, min(impact) AS last FROM read GROUP BY ordinal),
-    q AS (SELECT ${lexemes}::text[] AS lexemes, ${bigrams}::text[] AS bigrams),
+    open AS (SELECT l.ordinal, t.bound * l.last AS rest FROM lists l JOIN t USING (ordinal) WHERE l.n = t.depth),
+    unread AS (SELECT coalesce(sum(rest), 0)::float8 AS bound FROM open),
+    candidates AS (
+        SELECT r.chunk_key, sum(r.bound * r.impact) - coalesce(sum(o.rest), 0) + (SELECT bound FROM unread) AS bound
+        FROM read r LEFT JOIN open o USING (ordinal) GROUP BY r.chunk_key)
+    SELECT (SELECT bound FROM unread) AS unread,
+           ARRAY(SELECT ROW(ordinal, n, last) FROM lists) AS lists,
+           ARRAY(SELECT chunk_key FROM candidates ORDER BY bound DESC, chunk_key) AS keys,
+           ARRAY(SELECT bound FROM candidates ORDER BY bound DESC, chunk_key) AS bounds
+"""
+
+# The exact BM25 of the given chunks that are in scope, with the in-scope df of each query term.
+# $1: chunk keys, $2: limit, the scope's parameters from $3.
+_SCORE_CHUNKS = """
+    WITH q AS (SELECT ${lexemes}::text[] AS lexemes, ${bigrams}::text[] AS bigrams),
     frequencies AS (SELECT * FROM unnest(${fields}::smallint[], ${terms}::text[], ${dfs}::float8[])
                     AS f(field, lexeme, df)),
     hits AS (
@@ -79,14 +98,11 @@ _ROUND = """
             FROM unnest(ts_filter(setweight(c.bigram_vector, 'B', q.bigrams), '{{b}}')) AS m
             WHERE m.lexeme = ANY(q.bigrams)
         ) AS h
-        WHERE c.posting_key IN (SELECT chunk_key FROM read) AND {scope}),
+        WHERE c.posting_key = ANY($1::bigint[]) AND {scope}),
     p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avg_words}::float8 AS avg_words,
-                 ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight),
-    scored AS (
-        SELECT id, {score} AS score FROM hits JOIN frequencies USING (field, lexeme), p
-        GROUP BY id ORDER BY score DESC, id LIMIT $2)
-    SELECT ARRAY(SELECT ROW(id, score) FROM scored ORDER BY score DESC, id) AS hits,
-           ARRAY(SELECT ROW(ordinal, n, last) FROM lists) AS lists
+                 ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight)
+    SELECT id, {score} AS score FROM hits JOIN frequencies USING (field, lexeme), p
+    GROUP BY id ORDER BY score DESC, id LIMIT $2
 """
 
 
@@ -117,7 +133,7 @@ class ImpactOrderedPostings:
     ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap.
     ``min_share``: a scope holding a smaller share of the terms' postings would make the lists read
     mostly chunks it excludes, so the exact path scores its own chunks instead. ``first_depth``: the
-    postings read per term in the first round (4× per further round, up to ``max_depth``)."""
+    postings read per term in the first round (4× per deeper round, up to ``max_depth``)."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
@@ -174,17 +190,36 @@ class ImpactOrderedPostings:
             )
             for row in present
         ]
-        depth = max(self.first_depth, limit)
+        if math.inf in drift.values():
+            return "exact: no reference lengths", None
+        depths = [self.first_depth] * len(terms)
+        scorer = _Scorer(db, terms, lexemes, bigrams, limit, scope, statistics)
         while True:
-            hits, unread_bound = await self._round(db, terms, lexemes, bigrams, limit, scope, statistics, depth)
-            if unread_bound == 0 or (len(hits) == limit and hits[-1][1] > unread_bound):
+            row = await db.fetchrow(_READ, [t.key for t in terms], depths, [t.bound for t in terms])
+            assert row is not None
+            hits = await scorer.best(row["keys"], row["bounds"])
+            threshold = hits[-1][1] if len(hits) == limit else None
+            if row["unread"] == 0 or (threshold is not None and threshold > row["unread"]):
                 return "postings", hits
-            if depth >= self.max_depth:
-                return "exact: too deep", None
-            depth *= 4
+            # Deepen the lists that keep the bound of unread chunks at or above the threshold, the
+            # largest first (all of them while fewer than ``limit`` chunks were found).
+            open_lists = [(ordinal - 1, last) for ordinal, read, last in row["lists"] if read == depths[ordinal - 1]]
+            rests = sorted(((terms[index].bound * last, index) for index, last in open_lists), reverse=True)
+            remaining = sum(rest for rest, _ in rests)
+            for rest, index in rests:
+                if threshold is not None and remaining < threshold:
+                    break
+                if depths[index] >= self.max_depth:
+                    return "exact: too deep", None
+                depths[index] *= 4
+                remaining -= rest
 
-    @staticmethod
-    async def _round(
+
+class _Scorer:
+    """Exact BM25 of candidate chunks for one search, each chunk scored once across rounds."""
+
+    def __init__(
+        self,
         db: Any,
         terms: Sequence[_Term],
         lexemes: Sequence[str],
@@ -192,11 +227,13 @@ class ImpactOrderedPostings:
         limit: int,
         scope: Scope,
         statistics: Bm25Statistics,
-        depth: int,
-    ) -> tuple[list[tuple[str, float]], float]:
-        """The best in-scope chunks among those read, and the most an unread chunk could score."""
-        values: dict[str, Any] = {
-            "depth": depth,
+    ) -> None:
+        self._db = db
+        self._limit = limit
+        self._scope = scope
+        self._scored: set[int] = set()
+        self._hits: list[tuple[str, float]] = []
+        self._values: dict[str, Any] = {
             "lexemes": list(lexemes),
             "bigrams": list(bigrams),
             "fields": [term.field for term in terms],
@@ -210,20 +247,28 @@ class ImpactOrderedPostings:
             "bigram_weight": statistics.bigram_weight,
         }
         first = 3 + len(scope.params)
-        numbers = {name: first + offset for offset, name in enumerate(values)}
-        row = await db.fetchrow(
-            _ROUND.format(joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers),
-            [term.key for term in terms],
-            limit,
-            *scope.params,
-            *values.values(),
-        )
-        assert row is not None
-        unread = 0.0
-        for ordinal, read, last in row["lists"]:
-            if read == depth:  # the list goes on: its next chunk may hold up to ``last``
-                unread += terms[ordinal - 1].bound * last
-        return [(chunk, score) for chunk, score in row["hits"]], unread
+        numbers = {name: first + offset for offset, name in enumerate(self._values)}
+        self._sql = _SCORE_CHUNKS.format(joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers)
+
+    async def best(self, keys: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
+        """The top ``limit`` among the chunks scored so far, after scoring every one of ``keys``
+        (ordered by their upper ``bounds``, highest first) that could still reach it."""
+        batch = max(2 * self._limit, 64)
+        start = 0
+        while start < len(keys):
+            threshold = self._hits[-1][1] if len(self._hits) == self._limit else None
+            if threshold is not None and bounds[start] < threshold:
+                break
+            todo = [key for key in keys[start : start + batch] if key not in self._scored]
+            start += batch
+            if not todo:
+                continue
+            self._scored.update(todo)
+            rows = await self._db.fetch(self._sql, todo, self._limit, *self._scope.params, *self._values.values())
+            merged = self._hits + [(row["id"], row["score"]) for row in rows]
+            self._hits = sorted(merged, key=lambda hit: (-hit[1], hit[0]))[: self._limit]
+            batch *= 4
+        return self._hits
 
 
 def _idf(chunks: float, df: float) -> float:
