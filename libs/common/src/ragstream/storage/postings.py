@@ -177,6 +177,8 @@ class ImpactOrderedPostings:
             0: _drift(statistics.average_words, reference["average_words"]),
             1: _drift(statistics.average_bigrams, reference["average_bigrams"]),
         }
+        if any(drift[row["field"]] == math.inf for row in present):
+            return "exact: no reference lengths", None
         terms = [
             _Term(
                 row["field"],
@@ -190,8 +192,6 @@ class ImpactOrderedPostings:
             )
             for row in present
         ]
-        if math.inf in drift.values():
-            return "exact: no reference lengths", None
         depths = [self.first_depth] * len(terms)
         scorer = _Scorer(db, terms, lexemes, bigrams, limit, scope, statistics)
         while True:
