@@ -144,7 +144,8 @@ async def _compare(
     total = 0
     for label, (filters, principal) in scopes.items():
         # Every scope size and every round count gets exercised: no small-scope shortcut, shallow first reads.
-        fast = SearchStore(pool, postings=ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4))
+        forced = ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4, max_read_share=1.0)
+        fast = SearchStore(pool, postings=forced)
         scope = Scope.build(filters, principal, first_param=3)
         for text in queries:
             terms = query_terms(text)

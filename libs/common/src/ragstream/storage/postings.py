@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from ragstream.storage.scope import Scope
+if TYPE_CHECKING:
+    from ragstream.storage.scope import Scope
 
 __all__ = ["BM25_SCORE", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
 
@@ -133,18 +134,27 @@ class ImpactOrderedPostings:
     ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap.
     ``min_share``: a scope holding a smaller share of the terms' postings would make the lists read
     mostly chunks it excludes, so the exact path scores its own chunks instead. ``first_depth``: the
-    postings read per term in the first round (4× per deeper round, up to ``max_depth``)."""
+    postings read per term in the first round (4× per deeper round, up to ``max_depth``).
+    ``max_read_share``: once the lists would read more than this share of the in-scope postings, the
+    exact path takes over."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
 
     def __init__(
-        self, *, exact_below: int = 2000, min_share: float = 0.2, first_depth: int = 64, max_depth: int = 16384
+        self,
+        *,
+        exact_below: int = 2000,
+        min_share: float = 0.2,
+        first_depth: int = 64,
+        max_depth: int = 16384,
+        max_read_share: float = 0.1,
     ) -> None:
         self.exact_below = exact_below
         self.min_share = min_share
         self.first_depth = first_depth
         self.max_depth = max_depth
+        self.max_read_share = max_read_share
 
     async def top(
         self,
@@ -213,6 +223,11 @@ class ImpactOrderedPostings:
                     return "exact: too deep", None
                 depths[index] *= 4
                 remaining -= rest
+            # Flat impacts (many chunks alike, copies) need deep lists: past a share of the matches,
+            # the scan that scores them all once is cheaper than more rounds.
+            reading = sum(min(depth, term.df) for depth, term in zip(depths, terms, strict=True))
+            if reading > self.max_read_share * in_scope:
+                return "exact: too deep", None
 
 
 class _Scorer:
