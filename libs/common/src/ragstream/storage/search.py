@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -15,6 +16,7 @@ import numpy as np
 
 from ragstream.embedding.base import Vectors
 from ragstream.storage.database import DatabaseBusy
+from ragstream.storage.postings import BM25_SCORE, Bm25Statistics, ImpactOrderedPostings
 from ragstream.storage.scope import Scope
 
 __all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore", "SearchedSpace"]
@@ -86,10 +88,7 @@ _BM25 = (
     counted AS (SELECT id, field, dl, tf, count(*) OVER (PARTITION BY field, lexeme)::float8 AS df FROM hits),
     p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avg_words}::float8 AS avg_words,
                  ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight)
-    SELECT id, sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
-                   * ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5)) * tf * (p.k1 + 1)
-                   / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
-               ) AS score
+    SELECT id, {score} AS score
     FROM counted, p
     GROUP BY id
     ORDER BY score DESC, id
@@ -195,6 +194,8 @@ class SearchStore:
     ``keyword_ranking`` orders the keyword leg by Okapi BM25 computed in SQL over words and CJK
     bigrams (``bm25_k1``, ``bm25_b``, ``bigram_weight``), or by PostgreSQL's ``ts_rank_cd`` over
     words (``"ts_rank"``). ``docs/retrieval-quality.md`` has the measurements behind the defaults.
+    ``impact_ordered``: BM25 reads the impact-ordered postings (``storage/postings.py``) where they
+    give the exact ranking, and scores every matching chunk otherwise; ``False`` always does the latter.
     """
 
     def __init__(
@@ -208,6 +209,8 @@ class SearchStore:
         bigram_weight: float = 0.5,
         stats_ttl_s: float = 300.0,
         statement_timeout_s: float | None = None,
+        impact_ordered: bool = True,
+        postings: ImpactOrderedPostings | None = None,
     ) -> None:
         if keyword_ranking not in ("bm25", "ts_rank"):
             raise ValueError(f"unknown keyword ranking {keyword_ranking!r}")
@@ -221,6 +224,11 @@ class SearchStore:
         self._stats_ttl_s = stats_ttl_s
         self._cache = _StatsCache()
         self._timeout_ms = round(statement_timeout_s * 1000) if statement_timeout_s else 0
+        self._impact_ordered = impact_ordered
+        self._postings = postings or ImpactOrderedPostings()
+        # How many BM25 searches each path answered (``postings``, or ``exact: <why>``), shared with
+        # the snapshots: what a benchmark reports next to its latencies.
+        self.keyword_paths: Counter[str] = Counter()
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[SearchStore]:
@@ -414,15 +422,33 @@ class SearchStore:
         }
         first = 3 + len(scope.params)
         numbers = {name: first + offset for offset, name in enumerate(values)}
+        if self._impact_ordered:
+            path, found = await self._from_postings(terms, limit, scope, query, stats)
+            self.keyword_paths[path] += 1
+            if found is not None:
+                return [Hit(*hit) for hit in found]
         terms_sql = _BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
-            _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, **numbers),
+            _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers),
             list(terms),
             limit,
             *scope.params,
             *values.values(),
         )
         return [Hit(row["id"], row["score"]) for row in rows]
+
+    async def _from_postings(
+        self, terms: Sequence[str], limit: int, scope: Scope, query: str | None, stats: _CorpusStats
+    ) -> tuple[str, list[tuple[str, float]] | None]:
+        """The BM25 top-k read from the impact-ordered postings (``ImpactOrderedPostings``): the
+        path it took, and ``None`` when this query and scope need the exact scan."""
+        row = await self._db.fetchrow(
+            f"SELECT lexemes, bigrams FROM ({_BM25_TERMS.format(text=2)}) AS t", list(terms), query
+        )
+        assert row is not None
+        k1, b, bigram_weight = self._bm25
+        statistics = Bm25Statistics(k1, b, bigram_weight, stats.chunks, stats.average_words, stats.average_bigrams)
+        return await self._postings.top(self._db, row["lexemes"], row["bigrams"], limit, scope, statistics)
 
     async def _corpus_stats(self) -> _CorpusStats:
         """Number of chunks and average field lengths, at most ``stats_ttl_s`` old.
