@@ -83,6 +83,7 @@ CREATE FUNCTION keyword_apply(changed keyword_chunk[], sign integer) RETURNS voi
 AS $$
 DECLARE
     reference keyword_reference;
+    emptied keyword_df[];
 BEGIN
     IF cardinality(changed) = 0 THEN
         RETURN;
@@ -126,14 +127,19 @@ BEGIN
                    count(*) FILTER (WHERE n.restricted) AS restricted
             FROM unnest(changed) AS n JOIN documents d ON d.id = n.document_id,
                  keyword_chunk_terms(n.search_vector, n.bigram_vector) AS t
-            GROUP BY 1, 2, 3, 4)
-        UPDATE keyword_df f SET chunks = f.chunks - r.chunks, restricted = f.restricted - r.restricted
-        FROM removed r
-        WHERE f.field = r.field AND f.lexeme = r.lexeme AND f.connection_id = r.connection_id
-          AND f.index_version = r.index_version;
-        DELETE FROM keyword_df f USING (SELECT DISTINCT d.connection_id FROM unnest(changed) AS n
-                                        JOIN documents d ON d.id = n.document_id) AS touched
-        WHERE f.connection_id = touched.connection_id AND f.chunks <= 0;
+            GROUP BY 1, 2, 3, 4),
+        decremented AS (
+            UPDATE keyword_df f SET chunks = f.chunks - r.chunks, restricted = f.restricted - r.restricted
+            FROM removed r
+            WHERE f.field = r.field AND f.lexeme = r.lexeme AND f.connection_id = r.connection_id
+              AND f.index_version = r.index_version
+            RETURNING f.*)
+        SELECT array_agg(e) INTO emptied FROM decremented AS e WHERE e.chunks <= 0;
+        -- Only the rows this removal emptied, by primary key: a scan for every empty row would read
+        -- the whole table on each edit or deletion.
+        DELETE FROM keyword_df f USING unnest(emptied) AS e
+        WHERE f.field = e.field AND f.lexeme = e.lexeme AND f.connection_id = e.connection_id
+          AND f.index_version = e.index_version AND f.chunks <= 0;
     END IF;
 END
 $$;
