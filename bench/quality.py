@@ -51,7 +51,7 @@ from ragstream.embedding.base import Embedder, TextKind, Vectors
 from ragstream.messages import ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.parsing import Parser
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchRequest
-from ragstream.retrieval.fusion import Fusion, convex_fusion, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import ConvexFusion, Fusion, RrfFusion, convex_fusion, reciprocal_rank_fusion
 from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
 from ragstream.settings import EmbeddingSettings, Settings
@@ -446,6 +446,11 @@ class Choice:
     alpha: float
     fusion: Fusion
 
+    def fusion_config(self) -> RrfFusion | ConvexFusion:
+        if self.fusion == "rrf":
+            return RrfFusion(k=self.rrf_k, vector_weight=1.0, keyword_weight=self.keyword_weight)
+        return ConvexFusion(alpha=self.alpha)
+
 
 class LanguageBench:
     """Every measurement of one language's index; the driver runs the languages side by side."""
@@ -583,6 +588,19 @@ class LanguageBench:
             self.convex_grid, key=lambda a: (self.convex_grid[a]["ndcg@10"], self.convex_grid[a]["recall@10"])
         )
         self.report["convex_best_for_this_language"] = {"alpha": best_alpha, **self.convex_grid[best_alpha]}
+        first = self.args.skip_queries + 1
+        tuned_on = f"InsuranceQA {self.args.split} queries {first}-{first + len(self.queries) - 1}, {self.lang}"
+        candidates: list[tuple[dict[str, float], RrfFusion | ConvexFusion]] = [
+            (self.rrf_grid[best], RrfFusion(k=best[0], keyword_weight=best[1], tuned_on=tuned_on)),
+            (self.convex_grid[best_alpha], ConvexFusion(alpha=best_alpha, tuned_on=tuned_on)),
+        ]
+        metrics, fusion = max(candidates, key=lambda pair: (pair[0]["ndcg@10"], pair[0]["recall@10"]))
+        # What `PUT /v1/spaces/{model_key}/fusion` takes: this model's own weights, in any deployment.
+        self.report["space_fusion"] = {
+            "model_key": self.embedder.model_key,
+            "fusion": fusion.model_dump(),
+            "ndcg@10": metrics["ndcg@10"],
+        }
 
     async def fused(self, choice: Choice) -> None:
         """Each fusion from the legs' outputs (the same SQL rows, no second pass), then the chosen
@@ -615,14 +633,7 @@ class LanguageBench:
             store,
             self.vectors,
             CitationStore(self.pool),
-            settings=RetrievalSettings(
-                leg_size=LEG,
-                fusion=choice.fusion,
-                convex_alpha=choice.alpha,
-                rrf_k=choice.rrf_k,
-                vector_weight=1.0,
-                keyword_weight=choice.keyword_weight,
-            ),
+            settings=RetrievalSettings(leg_size=LEG, fusion=choice.fusion_config()),
         )
 
         async def search(i: int) -> list[Hit]:
@@ -711,6 +722,11 @@ def write_results(reports: list[dict[str, Any]], args: argparse.Namespace) -> No
                 f" {m.get('p50_ms', float('nan')):7.1f} {m.get('p95_ms', float('nan')):7.1f}"
             )
         print(f"  plain BM25, published (test split): nDCG@10 {REFERENCE_BM25[report['lang']]}")
+        if space := report.get("space_fusion"):
+            print(
+                f"  this model's fusion (nDCG@10 {space['ndcg@10']:.4f}): PUT /v1/spaces/{space['model_key']}/fusion"
+                f" {json.dumps(space['fusion'], ensure_ascii=False)}"
+            )
         for key in (
             "settings",
             "vs_keyword_leg",

@@ -46,7 +46,7 @@ from ragstream.retrieval.models import Principal, SearchFilters
 from ragstream.storage.database import connect_pool
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import SearchStore
+from ragstream.storage.search import SearchStore, _scope_probe
 
 __all__ = ["main"]
 
@@ -55,6 +55,8 @@ BUCKETS = 100  # connections, groups, knowledge bases
 LIMIT = 30
 LATENT = 48
 WARMUP = 5
+# pgvector 0.8 iterative scans measured: (ef_search, visible rows wanted, hnsw.max_scan_tuples).
+ITERATIVE = [(100, 30, 2000), (100, 100, 5000), (200, 100, 10000)]
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,29 @@ async def post_filtered(pool: asyncpg.Pool, table: str, vector: np.ndarray, scop
     return [row["id"] for row in rows]
 
 
+async def iterative(
+    pool: asyncpg.Pool, table: str, vector: np.ndarray, scope: Scope, ef: int, wanted: int, max_tuples: int
+) -> list[str]:
+    """pgvector 0.8's iterative index scan: the scan goes on until ``wanted`` rows passed the scope (or
+    ``max_tuples`` were visited); the nearest 30 of them, sorted (relaxed_order is about in order).
+    The scope is checked per candidate as the leg does, so that the index drives the scan."""
+    async with pool.acquire() as connection, connection.transaction():
+        await connection.execute(
+            f"SET LOCAL hnsw.ef_search = {ef}; SET LOCAL hnsw.iterative_scan = relaxed_order;"
+            f" SET LOCAL hnsw.max_scan_tuples = {max_tuples}"
+        )
+        rows = await connection.fetch(
+            f"WITH nearest AS MATERIALIZED (SELECT e.chunk_id, e.embedding <=> $1 AS distance FROM {table} e"
+            f"  CROSS JOIN LATERAL ({_scope_probe(scope, 'e.chunk_id')}) AS v"
+            f"  ORDER BY e.embedding <=> $1 LIMIT {wanted})"
+            " SELECT chunk_id FROM nearest ORDER BY distance, chunk_id LIMIT $2",
+            vector,
+            LIMIT,
+            *scope.params,
+        )
+    return [row["chunk_id"] for row in rows]
+
+
 def exact_top(corpus: Corpus, visible: np.ndarray, query: np.ndarray) -> list[str]:
     ids = np.flatnonzero(visible)
     distances = 1.0 - corpus.vectors[ids] @ query
@@ -268,7 +293,13 @@ async def measure(
 
 
 async def run_case(
-    pool: asyncpg.Pool, store: SearchStore, table: str, corpus: Corpus, case: Case, efs: list[int]
+    pool: asyncpg.Pool,
+    store: SearchStore,
+    table: str,
+    corpus: Corpus,
+    case: Case,
+    efs: list[int],
+    iterative_scans: bool,
 ) -> list[str]:
     """Table rows of one scope: post-filtered HNSW per ef_search, the exact scan, then ``vector_leg``."""
     visible = case.visible(corpus)
@@ -280,6 +311,12 @@ async def run_case(
         lines.append(f"{head} HNSW ef_search={ef}, post-filter | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
     recall, returned, p50 = await measure(lambda q: exact(pool, table, q, scope), corpus, visible)
     lines.append(f"{head} exact scan | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
+    if iterative_scans:
+        for ef, wanted, max_tuples in ITERATIVE:
+            run = partial(iterative, pool, table, scope=scope, ef=ef, wanted=wanted, max_tuples=max_tuples)
+            recall, returned, p50 = await measure(run, corpus, visible)
+            method = f"HNSW iterative scan ef_search={ef}, {wanted} visible, max_scan_tuples={max_tuples}"
+            lines.append(f"{head} {method} | {recall:.3f} | {returned:.1f} | {p50:.1f} |")
     counts: Counter[str] = Counter()
     count_calls(store, counts)
 
@@ -300,6 +337,8 @@ async def bench(dsn: str, args: argparse.Namespace) -> None:
     pool = await connect_pool(dsn, max_size=2)
     try:
         await load(pool, corpus, table)
+        version = await pool.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+        iterative_scans = tuple(int(part) for part in version.split(".")[:2]) >= (0, 8)
         print(
             f"{args.chunks} chunks, {args.dim}-d, noise {args.noise}, {args.queries} queries, vector_leg ef_search"
             f" {args.base_ef}; recall@{LIMIT} against exact search\n"
@@ -309,7 +348,8 @@ async def bench(dsn: str, args: argparse.Namespace) -> None:
         for case in cases():
             if not args.only or case.name in args.only:
                 store = SearchStore(pool, ef_search=args.base_ef)
-                print("\n".join(await run_case(pool, store, table, corpus, case, args.ef)), flush=True)
+                rows = await run_case(pool, store, table, corpus, case, args.ef, iterative_scans)
+                print("\n".join(rows), flush=True)
     finally:
         await pool.close()
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the system tools the test suite and benchmarks need for a local Apache Kafka
-# (tests/support/kafka_node.py): a Java >= 17 runtime and Maven, on Debian 12.
+# (libs/common/src/ragstream/local_kafka.py): a Java >= 17 runtime and Maven, on Debian 12.
 # Idempotent: installs only what is missing and says what it did.
 set -euo pipefail
 

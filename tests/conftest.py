@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from ragstream.local_kafka import KafkaNode
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
-from tests.support.kafka_node import KafkaNode
 
 
 def pytest_configure(config: pytest.Config) -> None:

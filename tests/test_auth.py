@@ -38,7 +38,7 @@ from ragstream.settings import ApiKeys, Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
-from tests.support.connections import private_database
+from tests.support.connections import fetcher_database, private_database
 from tests.test_scope_acl import connection, index
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,7 @@ WRONG = "wrong-key-" + "w" * 24
 KEYS = f"admin:{ADMIN},search:{SEARCH}"
 ACCESS = Access(ApiKeys.parse(KEYS))
 # The routes a search key may call; every other route that is not open must refuse it.
-SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}")}
+SEARCH_ROUTES = {("POST", "/v1/search"), ("GET", "/v1/documents/{document_id}"), ("POST", "/v1/knowledge")}
 # The routes anyone may call: probes, metrics and the API's description; a longer list fails here.
 OPEN = {"/healthz", "/readyz", "/metrics", "/metrics/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 
@@ -114,12 +114,18 @@ async def retriever_service(database_url: str, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.fixture
-def fetcher_service(monkeypatch: pytest.MonkeyPatch) -> FastAPI:
-    """The connector-fetcher as uvicorn builds it; its lifespan needs Kafka, and the check comes first."""
+async def fetcher_service(
+    database_url: str, kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[FastAPI]:
+    """The connector-fetcher as uvicorn builds it, its lifespan run: the control plane joins then."""
     from ragstream_fetcher.main import create_app as create_fetcher
 
-    monkeypatch.setenv("RAGSTREAM_API_KEYS", KEYS)
-    return create_fetcher()
+    async with fetcher_database(database_url, kafka_bootstrap, monkeypatch, scheduler_enabled="false"):
+        monkeypatch.delenv("RAGSTREAM_AUTH")
+        monkeypatch.setenv("RAGSTREAM_API_KEYS", KEYS)
+        app = create_fetcher()
+        async with app.router.lifespan_context(app):
+            yield app
 
 
 def routes_of(app: FastAPI) -> set[tuple[str, str]]:
@@ -189,13 +195,43 @@ async def test_every_route_of_the_retriever_service_is_behind_the_keys(retriever
 
 
 async def grpc_keys_apply(port: int) -> None:
-    """The gRPC API on ``port`` answers a search key and refuses a call without one."""
+    """The gRPC API on ``port`` answers a search key and refuses a call without one, the knowledge
+    tool's included."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = retrieval_pb2_grpc.RetrievalStub(channel)
         request = retrieval_pb2.SearchRequest(query="kafka retention")
         assert await grpc_status(stub.Search(request)) == grpc.StatusCode.UNAUTHENTICATED
         authorized = stub.Search(request, metadata=[("authorization", f"Bearer {SEARCH}")])
         assert await grpc_status(authorized) == grpc.StatusCode.OK
+        knowledge = retrieval_pb2.KnowledgeRequest(action="search", query="kafka retention")
+        assert await grpc_status(stub.Knowledge(knowledge)) == grpc.StatusCode.UNAUTHENTICATED
+        answered = await stub.Knowledge(knowledge, metadata=[("authorization", f"Bearer {SEARCH}")])
+        assert answered.WhichOneof("outcome") == "search"
+        writer = retrieval_pb2.KnowledgeRequest(
+            action="create", platform="yuque", title="t", body="b", principal=retrieval_pb2.Principal(user="ceo")
+        )
+        refused = stub.Knowledge(writer, metadata=[("authorization", f"Bearer {ADMIN}")])
+        assert await grpc_status(refused) == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_the_retriever_service_serves_the_knowledge_tool_without_writes(
+    retriever_service: RetrieverService,
+) -> None:
+    async with client_of(retriever_service.app) as client:
+        headers = bearer(SEARCH)
+        found = await client.post("/v1/knowledge", json={"action": "search", "query": "kafka"}, headers=headers)
+        assert found.status_code == 200 and found.json()["search"]["query"] == "kafka"
+        create = {
+            "action": "create",
+            "platform": "yuque",
+            "title": "Minutes",
+            "body": "# Minutes\n\nAgreed.",
+            "principal": {"user": "ceo"},
+        }
+        written = await client.post("/v1/knowledge", json=create, headers=headers)
+        assert written.status_code == 200 and written.json()["error"]["code"] == "not_served_here"
+        # An admin key is an operator's: it may not write for a user through the tool.
+        assert (await client.post("/v1/knowledge", json=create, headers=bearer(ADMIN))).status_code == 403
 
 
 async def test_ragstream_up_serves_both_apis_behind_the_keys(database_url: str) -> None:
@@ -219,8 +255,13 @@ async def test_ragstream_up_serves_both_apis_behind_the_keys(database_url: str) 
             await asyncio.gather(server, return_exceptions=True)
 
 
-async def test_every_route_of_the_fetcher_service_is_behind_the_keys(fetcher_service: FastAPI) -> None:
+@pytest.mark.kafka
+async def test_every_route_of_the_fetcher_service_is_behind_the_keys(
+    fetcher_service: FastAPI, embedded: FastAPI
+) -> None:
     await walk(fetcher_service, OPEN)
+    # The same control plane as ragstream up: every route of up but search, none of its own.
+    assert routes_of(fetcher_service) == routes_of(embedded) - {("POST", "/v1/search")}
 
 
 async def test_a_route_added_later_is_admin_only(embedded: FastAPI) -> None:

@@ -19,18 +19,29 @@ from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.connectors.folder import FolderConnector
 from ragstream.credentials import CredentialCipher
+from ragstream.retrieval import ChatTurn, HybridRetriever, SearchFilters, SearchRequest
 from ragstream.retrieval.direct import DirectSearch
+from ragstream.retrieval.rephrase import DashScopeChatRephraser
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.direct_connections import DirectConnectionStore
+from ragstream.storage.search import SearchStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
+from tests.support.fake_dashscope import FakeDashScope
 from tests.support.fake_dingtalk import APP_KEY, APP_SECRET, OPERATOR, FakeDingTalk
+from tests.support.fake_feishu import FakeFeishu
 from tests.support.fake_ima import DEFAULT_API_KEY, DEFAULT_CLIENT_ID, FakeIma
 from tests.support.fake_yuque import DEFAULT_TOKEN, FakeYuque
 
-pytest_plugins = ["tests.support.fake_dingtalk", "tests.support.fake_ima", "tests.support.fake_yuque"]
+pytest_plugins = [
+    "tests.support.fake_dashscope",
+    "tests.support.fake_feishu",
+    "tests.support.fake_dingtalk",
+    "tests.support.fake_ima",
+    "tests.support.fake_yuque",
+]
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_networks")]
 
 #: Far below the 30-second default, so a slow platform is given up on quickly, yet ample for a
@@ -48,6 +59,7 @@ class Setup:
     searcher: SearchWithDirect
     connections: ConnectionStore
     folder_id: str
+    cipher: CredentialCipher
 
 
 @pytest.fixture
@@ -60,7 +72,8 @@ async def setup(runtime: Runtime, corpus: Path) -> AsyncIterator[Setup]:
     app = create_app(lambda: searcher, ready=ready)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield Setup(client, searcher, ConnectionStore(runtime.pool, cipher), FolderConnector(corpus).connection_id)
+            connections = ConnectionStore(runtime.pool, cipher)
+            yield Setup(client, searcher, connections, FolderConnector(corpus).connection_id, cipher)
     finally:
         await searcher.aclose()
 
@@ -84,6 +97,15 @@ async def yuque_connection(setup: Setup, fake: FakeYuque, *, token: str = DEFAUL
         config={"base_url": fake.base_url},
         credentials={"token": SecretStr(token)},
         rag_enabled=False,
+    )
+    return connection.id
+
+
+async def feishu_connection(setup: Setup, fake: FakeFeishu, space_ids: list[str] | None = None) -> str:
+    credentials = {"app_id": SecretStr(fake.app_id), "app_secret": SecretStr(fake.app_secret)}
+    config: dict[str, Any] = {"base_url": fake.base_url, **({"space_ids": space_ids} if space_ids else {})}
+    connection = await setup.connections.create(
+        "feishu", "Team wiki", config=config, credentials=credentials, rag_enabled=False
     )
     return connection.id
 
@@ -285,3 +307,79 @@ async def test_hits_are_filtered_by_knowledge_base_and_metadata(setup: Setup, fa
     assert [result["title"] for result in people["results"]] == ["Retention bonus"]
     assert tagged["results"] == [] and tagged["degraded"] == []
     assert [path for path, _, _ in fake_yuque.requests].count("/api/v2/search") == 1  # none for the metadata filter
+
+
+async def test_the_rephraser_decides_before_any_platform_is_asked(
+    runtime: Runtime, setup: Setup, fake_yuque: FakeYuque, fake_dashscope: FakeDashScope
+) -> None:
+    """Chit-chat reaches no platform; a follow-up goes live as the same standalone question the
+    local legs search."""
+    repo = fake_yuque.add_repo("eng/ops", "Operations")
+    fake_yuque.add_doc(repo, "Retention policy", "The trades topic keeps a retention of 30 days.")
+    yuque = await yuque_connection(setup, fake_yuque)
+    rephraser = DashScopeChatRephraser(fake_dashscope.api_key, base_url=f"{fake_dashscope.base_url}/compatible-mode/v1")
+    retriever = HybridRetriever(
+        SearchStore(runtime.pool), runtime.embedder, CitationStore(runtime.pool), rephraser=rephraser
+    )
+    direct = DirectSearch(DirectConnectionStore(runtime.pool, setup.cipher), timeout_s=TIMEOUT_S)
+    searcher = SearchWithDirect(retriever, direct, CitationStore(runtime.pool))
+    scope = SearchFilters(connection_ids=[setup.folder_id, yuque])
+    history = [ChatTurn(role="user", content="What is the retention for the orderbook topic?")]
+    try:
+        chat = await searcher.search(SearchRequest(query="Hello!", history=history, filters=scope))
+        assert (chat.rephrase_outcome, chat.results) == ("chitchat", [])
+        assert not [path for path, _, _ in fake_yuque.requests if path == "/api/v2/search"]
+
+        follow_up = await searcher.search(
+            SearchRequest(query="And for the trades topic?", history=history, filters=scope)
+        )
+    finally:
+        await searcher.aclose()
+        await rephraser.aclose()
+
+    standalone = "What is the retention for the trades topic?"
+    assert (follow_up.rephrase_outcome, follow_up.rewritten_query) == ("rephrased", standalone)
+    asked = [query["q"] for path, query, _ in fake_yuque.requests if path == "/api/v2/search"]
+    assert asked == [standalone]
+    assert any(result.mode == "direct" for result in follow_up.results)
+
+
+async def test_feishu_is_searched_live_with_the_apps_token_through_unified_search(
+    setup: Setup, fake_feishu: FakeFeishu
+) -> None:
+    garden, kitchen = fake_feishu.add_space("Garden"), fake_feishu.add_space("Kitchen")
+    fake_feishu.add_node(garden, "Retention of seeds", "# Seeds\n\nSeeds keep a retention of two years when dry.\n")
+    fake_feishu.add_node(kitchen, "Retention of soup", "# Soup\n\nSoup keeps three days.\n")
+    everything = await feishu_connection(setup, fake_feishu)
+    gardens_only = await feishu_connection(setup, fake_feishu, [garden.space_id])
+
+    body = await search(setup, "retention", [setup.folder_id, everything])
+    live = [result for result in body["results"] if result["mode"] == "direct"]
+    assert body["degraded"] == [] and {result["title"] for result in live} == {
+        "Retention of seeds",
+        "Retention of soup",
+    }
+    seeds = next(result for result in live if result["title"] == "Retention of seeds")
+    assert seeds["platform"] == "feishu" and "<h>" not in seeds["text"] and "retention of two years" in seeds["text"]
+    assert seeds["url"].startswith("https://fake.feishu.cn/wiki/")
+
+    scoped = await search(setup, "retention", [gardens_only])
+    assert [result["title"] for result in scoped["results"]] == ["Retention of seeds"]
+
+    # Unified search refuses queries over 30 characters: the searcher sends the first 30.
+    cut = await search(setup, "retention of two years when dry, stored in a cool cellar", [gardens_only])
+    assert cut["degraded"] == [] and [result["title"] for result in cut["results"]] == ["Retention of seeds"]
+
+
+async def test_a_feishu_search_the_platform_refuses_degrades_without_the_secret(
+    setup: Setup, fake_feishu: FakeFeishu
+) -> None:
+    connection = await feishu_connection(setup, fake_feishu)
+    fake_feishu.fail_next(5, path="/open-apis/search/", status=400, code=99991672)
+
+    body = await search(setup, "retention", [setup.folder_id, connection])
+
+    (degraded,) = body["degraded"]
+    assert degraded["platform"] == "feishu" and "99991672" in degraded["reason"]
+    assert fake_feishu.app_secret not in degraded["reason"]
+    assert body["results"] and all(result["mode"] == "rag" for result in body["results"])

@@ -11,8 +11,8 @@ import pytest
 
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
+from ragstream.jobs.sync import SyncReport
 from ragstream.parsing import DOCX, PDF
-from ragstream.pipeline import SyncReport
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
 from tests.support.documents import pdf_with_text

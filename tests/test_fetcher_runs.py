@@ -11,6 +11,7 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from ragstream.connectors import registry
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
 from ragstream_fetcher import main as fetcher_main
@@ -40,7 +41,7 @@ async def test_a_run_failed_elsewhere_stops_the_fetchers_walk(
     folder.mkdir()
     for index in range(FILES):
         (folder / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nA slow page number {index}.\n")
-    monkeypatch.setattr(fetcher_main, "FolderConnector", SlowFolder)
+    monkeypatch.setattr(registry, "FolderConnector", SlowFolder)
     monkeypatch.setattr(SlowFolder, "downloaded", [])
     async with fetcher_database(
         database_url, kafka_bootstrap, monkeypatch, scheduler_enabled="false", sync_progress_interval_s="0.05"
@@ -62,9 +63,11 @@ async def test_a_run_failed_elsewhere_stops_the_fetchers_walk(
                 " finished_at = now() WHERE connection_id = $1 AND status = 'syncing' RETURNING id",
                 connection_id,
             )
-            while (sync := (await client.get(f"/v1/syncs/{connection_id}")).json())["state"] == "syncing":
+            # The fetcher lets go of the run's owner lock once it has stopped the walk.
+            while await owner_locks(pool, run_id):
                 assert time.monotonic() < deadline, "the fetcher kept walking a run failed elsewhere"
                 await asyncio.sleep(0.02)
+            sync = (await client.get(f"/v1/syncs/{connection_id}")).json()
             stopped_at = len(SlowFolder.downloaded)
             position = await pool.fetchval(
                 "SELECT position FROM sync_cursors WHERE connection_id = $1 AND stage = 'download'", connection_id

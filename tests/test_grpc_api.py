@@ -23,7 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from pydantic import BaseModel
 
-from ragstream.api.grpc_server import MAX_BATCH, SERVICE_NAME, Searcher, grpc_server, search_request
+from ragstream.api.grpc_server import (
+    MAX_BATCH,
+    SERVICE_NAME,
+    Searcher,
+    grpc_server,
+    search_request,
+    search_response,
+)
 from ragstream.api.http import create_app
 from ragstream.connectors.folder import FolderConnector
 from ragstream.retrieval import ChatTurn, Principal, SearchFilters, SearchRequest, SearchResponse, SearchResult
@@ -364,6 +371,8 @@ def test_request_messages_become_the_http_models() -> None:
             retrieval_pb2.ChatTurn(role=retrieval_pb2.ChatTurn.ROLE_USER, content="leave?"),
             retrieval_pb2.ChatTurn(role=retrieval_pb2.ChatTurn.ROLE_ASSISTANT, content="25 days"),
         ],
+        user_context={"department": "sales"},
+        rephrase=False,
     )
     expected = SearchRequest(
         query="年假 leave",
@@ -372,11 +381,23 @@ def test_request_messages_become_the_http_models() -> None:
         ),
         principal=Principal(user="alice", groups=["finance"]),
         history=[ChatTurn(role="user", content="leave?"), ChatTurn(role="assistant", content="25 days")],
+        user_context={"department": "sales"},
+        rephrase=False,
     )
     converted = search_request(message)
     assert converted == expected and converted.top_k == 10 and converted.conversation_id is None
     assert type(converted.filters.metadata["year"]) is int and converted.filters.metadata["public"] is True
     assert search_request(retrieval_pb2.SearchRequest(query="x")).filters == SearchFilters()
+    assert search_request(retrieval_pb2.SearchRequest(query="x")).rephrase is True
+
+
+def test_a_chitchat_reply_reaches_grpc_callers() -> None:
+    reply = search_response(
+        SearchResponse(query="hello", rephrase_outcome="chitchat", reply="Hi!", results=[], took_ms=1.0)
+    )
+    assert (reply.rephrase_outcome, reply.reply, list(reply.results)) == ("chitchat", "Hi!", [])
+    searched = search_response(SearchResponse(query="q", results=[], took_ms=1.0))
+    assert searched.rephrase_outcome == "original" and not searched.HasField("reply")
 
 
 @pytest.mark.parametrize(

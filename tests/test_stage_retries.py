@@ -190,7 +190,7 @@ async def test_a_kafka_stage_retries_before_it_dead_letters(runtime: Runtime, ka
         letters = {
             letter.header.source: (letter.code, letter.retry_count)
             async for letter in dead_letters(kafka_bootstrap)
-            if letter.header.connection_id == connection
+            if letter.header is not None and letter.header.connection_id == connection
         }
         assert letters == {"outage": ("embedding_unavailable", 2), "binary": ("binary", 0)}
     finally:
@@ -214,7 +214,7 @@ async def test_a_run_waits_for_a_document_a_stage_is_still_retrying(runtime: Run
         assert await runs.sync_error(connection) is None
         await record_failure(runtime.store, header, "embed", classify(unavailable))
         given_up = await runs.downstream([announced])
-        assert given_up == Downstream(indexed=0, failed=1, chunks=0) and given_up.settled(1)
+        assert given_up == Downstream(indexed=0, failed=1, chunks=0, failed_embedding=1) and given_up.settled(1)
         assert await runs.sync_error(connection) == "1 document failed: 1 embedding_unavailable"
         assert not (await runs.downstream([announced, ("never-announced", 1)])).settled(2)
     finally:

@@ -18,8 +18,8 @@ from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import RunStatus, SyncRunStore
 from ragstream.failures import StageFailure, record_failure
+from ragstream.jobs.progress import SyncProgress
 from ragstream.messages import DocumentChanged, DocumentDeleted
-from ragstream.pipeline import SyncProgress
 from ragstream.runtime import Runtime
 from ragstream.stages.fetch import FetchService
 

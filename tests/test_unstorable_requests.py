@@ -81,6 +81,17 @@ def test_unstorable_characters_are_stripped_or_refused(text: str, expected: str)
             ["body", "history", 0, "content"],
             "cannot be stored",
         ),
+        (
+            {"query": "q", "user_context": {"department": "sales\x00"}},
+            ["body", "user_context", "department"],
+            "cannot be stored",
+        ),
+        ({"query": "q", "user_context": {"dep\x00t": "sales"}}, ["body", "user_context"], "cannot be stored"),
+        (
+            {"query": "q", "user_context": {f"key{i}": "v" for i in range(21)}},
+            ["body", "user_context"],
+            "at most 20 items",
+        ),
     ],
 )
 async def test_search_with_unstorable_text_is_422(

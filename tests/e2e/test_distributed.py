@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import grpc
@@ -152,7 +153,7 @@ def test_ingest_edit_delete_through_kafka(
         assert f'ragstream_stage_seconds_count{{stage="{stage}"}}' in metrics
     assert (
         'ragstream_messages_out_total{stage="connector-fetcher",topic="doc.changed"}'
-        in httpx.get(f"{fetcher.url}/metrics/", timeout=10).text
+        in httpx.get(f"{fetcher.url}/metrics", timeout=10).text
     )
 
     (folder / "alpha.md").write_text("# Alpha\n\nThe frobnicator moved to the snorkelgate subnet.\n")
@@ -169,6 +170,68 @@ def test_ingest_edit_delete_through_kafka(
         ("api", "ready", 2, 1, 0, 1, 0, "forward"),
         ("api", "ready", 1, 0, 1, 0, 0, "forward"),
     ]
+
+
+def connection_status(fetcher: ServiceProcess, connection_id: str) -> dict[str, Any]:
+    """The connection's latest sync once it is no longer queued or syncing."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        status: dict[str, Any] = httpx.get(f"{fetcher.url}/v1/connections/{connection_id}/status", timeout=10).json()
+        if status["status"] not in (None, "Queued", "Syncing"):
+            return status
+        time.sleep(0.2)
+    raise TimeoutError(f"connection {connection_id} still syncing after 90 s")
+
+
+def test_the_fetcher_serves_the_control_plane(services: dict[str, ServiceProcess], tmp_path: Path) -> None:
+    """A folder connection made, synced, edited and deleted through the fetcher's API, as in ragstream up."""
+    fetcher, retriever = services["connector-fetcher"], services["retriever"]
+    paths = set(httpx.get(f"{fetcher.url}/openapi.json", timeout=10).json()["paths"])
+    assert {"/v1/connections", "/v1/connections/{connection_id}/sync", "/v1/reindex", "/v1/replays"} <= paths
+    assert "/v1/search" not in paths  # search is the retriever's
+    folder = tmp_path / "control"
+    folder.mkdir()
+    (folder / "gamma.md").write_text("# Gamma\n\nThe quuxifier is serviced on Thursdays.\n")
+
+    created = httpx.post(
+        f"{fetcher.url}/v1/connections",
+        json={"platform": "folder", "name": "control", "config": {"path": str(folder)}},
+        timeout=10,
+    )
+    assert created.status_code == 201, created.text
+    connection_id = created.json()["id"]
+
+    def searched(term: str) -> list[str]:
+        response = httpx.post(
+            f"{retriever.url}/v1/search",
+            json={"query": term, "filters": {"connection_ids": [connection_id]}},
+            timeout=30,
+        )
+        response.raise_for_status()
+        return [str(result["source"]) for result in response.json()["results"] if term in str(result["text"])]
+
+    # Created with RAG on: synced in full at once, claimed and run by the fetcher over Kafka.
+    status = connection_status(fetcher, connection_id)
+    assert status["status"] == "Ready", status
+    progress = status["progress"]
+    assert (progress["trigger"], progress["listed"], progress["changed"], progress["indexed"]) == ("create", 1, 1, 1)
+    assert progress["chunks"] >= 1 and progress["listing_done"]
+    assert searched("quuxifier") == ["gamma.md"]
+
+    (folder / "gamma.md").write_text("# Gamma\n\nThe quuxifier moved to Fridays.\n")
+    started = httpx.post(f"{fetcher.url}/v1/connections/{connection_id}/sync", timeout=10)
+    assert started.status_code == 202, started.text
+    status = connection_status(fetcher, connection_id)
+    assert (status["status"], status["progress"]["indexed"]) == ("Ready", 1), status
+    assert searched("Fridays") == ["gamma.md"] and searched("Thursdays") == []
+    runs = httpx.get(f"{fetcher.url}/v1/connections/{connection_id}/syncs", timeout=10).json()
+    assert [(run["trigger"], run["status"]) for run in runs] == [("api", "Ready"), ("create", "Ready")]
+
+    renamed = httpx.patch(f"{fetcher.url}/v1/connections/{connection_id}", json={"name": "renamed"}, timeout=10)
+    assert renamed.status_code == 200 and renamed.json()["name"] == "renamed", renamed.text
+    assert httpx.delete(f"{fetcher.url}/v1/connections/{connection_id}", timeout=10).status_code == 204
+    assert httpx.get(f"{fetcher.url}/v1/connections/{connection_id}", timeout=10).status_code == 404
+    assert searched("Fridays") == []
 
 
 async def committed_state(database_url: str, folder: Path) -> tuple[set[str], list[tuple[str, int]], int]:

@@ -41,16 +41,19 @@ from pathlib import Path
 import asyncpg
 import httpx
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
-from pydantic import SecretStr
 
 from ragstream.connectors.folder import FolderConnector
-from ragstream.messages import Topic
-from ragstream.runtime import open_runtime
-from ragstream.settings import EmbeddingSettings, Settings
 from tests.support.connections import private_database
-from tests.support.fake_dashscope import FakeDashScope, run_fake_dashscope
+from tests.support.fake_dashscope import run_fake_dashscope
+from tests.support.pipeline import (
+    CONSUMERS,
+    FETCHER,
+    KafkaLag,
+    assert_same_index,
+    clean_run,
+    count,
+    indexed_documents,
+)
 from tests.support.services import ServiceProcess
 
 # The fake DashScope listens on 127.0.0.1, for the clean run here as for the services.
@@ -59,21 +62,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.kafka, pytest.mark.usefixture
 DOCUMENTS = 2000
 SEED = int(os.environ.get("RAGSTREAM_FAULT_SEED", "18"))
 DIMENSION = 64  # small vectors: the fake and pgvector spend less per chunk; delivery is what is tested
-FETCHER = "connector-fetcher"
-CONSUMERS = ("chunker", "embedder", "indexer")
 REPLICAS = 2  # per consumer: the stages are latency-bound, and a kill then also moves partitions
-# What each consumer group reads; checked upstream first (see ``KafkaLag.drained``).
-CONSUMED: tuple[tuple[str, tuple[Topic, ...]], ...] = (
-    ("chunker", (Topic.DOC_CHANGED,)),
-    ("embedder", (Topic.DOC_CHUNKED,)),
-    ("indexer", (Topic.CHUNK_EMBEDDED, Topic.DOC_DELETED)),
-)
 CRASH_EXIT = 86  # ragstream.faults.crash_point
 QUIESCENCE_TIMEOUT_S = 600.0
-
-# One chunk as the index answers it: (ordinal, heading, text). A document: (title, its chunks).
-Chunk = tuple[int, str, str]
-IndexedDocument = tuple[str, tuple[Chunk, ...]]
 
 _WORDS = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel")
 _ZH = ("库存", "值班", "报销", "发布", "备份", "巡检", "审批", "采购")
@@ -105,28 +96,6 @@ def write_corpus(folder: Path, count: int) -> None:
         else:
             body = f"# Note {number}\n\nNote {number} says the {word} widget {number * 7} sits in bay {number % 37}.\n"
         path.write_text(body, encoding="utf-8")
-
-
-async def indexed_documents(pool: asyncpg.Pool, connection_id: str) -> dict[str, IndexedDocument]:
-    """What the index answers for a connection: per source its title and ordered chunks."""
-    rows = await pool.fetch(
-        "SELECT d.source, d.title, c.ordinal, c.heading, c.text FROM documents d"
-        " LEFT JOIN chunks c ON c.document_id = d.id"
-        " WHERE d.connection_id = $1 AND d.status = 'indexed' ORDER BY d.source, c.ordinal",
-        connection_id,
-    )
-    titles: dict[str, str] = {}
-    chunks: dict[str, list[Chunk]] = {}
-    for row in rows:
-        titles[row["source"]] = row["title"]
-        listed = chunks.setdefault(row["source"], [])
-        if row["ordinal"] is not None:
-            listed.append((row["ordinal"], row["heading"], row["text"]))
-    return {source: (titles[source], tuple(chunks[source])) for source in titles}
-
-
-async def count(pool: asyncpg.Pool, query: str, *args: object) -> int:
-    return int(await pool.fetchval(query, *args))
 
 
 @dataclass
@@ -233,69 +202,6 @@ def kill_schedule(rng: random.Random) -> list[Kill]:
     return kills
 
 
-class KafkaLag:
-    """Committed offsets of the stage groups against the topics' end offsets."""
-
-    def __init__(self, bootstrap: str) -> None:
-        self._admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-        self._partitions: dict[Topic, list[TopicPartition]] = {}
-
-    async def __aenter__(self) -> KafkaLag:
-        await self._admin.start()
-        await self._consumer.start()
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self._consumer.stop()
-        await self._admin.close()
-
-    async def partitions(self, topic: Topic) -> list[TopicPartition]:
-        if topic not in self._partitions:
-            described = await self._admin.describe_topics([topic.value])
-            self._partitions[topic] = [
-                TopicPartition(topic.value, entry["partition"]) for entry in described[0]["partitions"]
-            ]
-            assert self._partitions[topic], f"{topic} has no partitions"
-        return self._partitions[topic]
-
-    async def behind(self, group: str, topics: tuple[Topic, ...]) -> int:
-        partitions = [partition for topic in topics for partition in await self.partitions(topic)]
-        committed = await self._admin.list_consumer_group_offsets(group, partitions=partitions)
-        first = await self._consumer.beginning_offsets(partitions)
-        ends = await self._consumer.end_offsets(partitions)
-        lag = 0
-        for partition in partitions:
-            offset = committed.get(partition)
-            position = offset.offset if offset is not None and offset.offset >= 0 else first[partition]
-            lag += max(0, ends[partition] - position)
-        return lag
-
-    async def drained(self) -> bool:
-        """True when every stage group has committed everything. Checked upstream first: a stage
-        commits an offset only after its outputs are acknowledged, so once the chunker is at the
-        end, everything it will ever publish is already within the embedder's end offsets, and so on."""
-        for stage, topics in CONSUMED:
-            if await self.behind(f"ragstream-{stage}", topics):
-                return False
-        return True
-
-
-def embedding_settings(fake: FakeDashScope) -> EmbeddingSettings:
-    return EmbeddingSettings(
-        provider="dashscope", base_url=fake.base_url, api_key=SecretStr(fake.api_key), dimension=DIMENSION
-    )
-
-
-async def clean_run(folder: Path, database_url: str, fake: FakeDashScope) -> dict[str, IndexedDocument]:
-    """The expected index: a fault-free sync of ``folder`` by the embedded pipeline (same stages, no Kafka)."""
-    settings = Settings(database_url=database_url, embedding=embedding_settings(fake))
-    async with open_runtime(settings, database_url) as runtime:
-        report = await runtime.pipeline().sync(FolderConnector(folder))
-        assert report.ok, report.failures[:5]
-        return await indexed_documents(runtime.pool, FolderConnector(folder).connection_id)
-
-
 def trigger_sync(fetcher: ServiceProcess, folder: Path) -> bool:
     """Start a sync without waiting for it (the fetcher may be killed in the middle of it); False
     when the request timed out on the loaded machine and must be sent again."""
@@ -319,7 +225,7 @@ def sync_state(fetcher: ServiceProcess, connection_id: str) -> tuple[str, int] |
     if response.status_code == 404:  # restarted before this sync began
         return None
     status = response.json()
-    return str(status["state"]), int(status["counts"].get("seen", 0))
+    return str(status["state"]), int(status["counts"].get("listed", 0))
 
 
 async def test_killed_services_converge_to_the_clean_index(
@@ -350,7 +256,7 @@ async def _converge(dsn: str, kafka_bootstrap: str, tmp_path: Path) -> None:
 
     with run_fake_dashscope() as fake:
         started = time.monotonic()
-        clean = await clean_run(tmp_path / "clean", dsn, fake)
+        clean = await clean_run(tmp_path / "clean", dsn, fake, DIMENSION)
         assert len(clean) == DOCUMENTS
         clean_wall, started = time.monotonic() - started, time.monotonic()
         env = {
@@ -396,7 +302,7 @@ async def _converge(dsn: str, kafka_bootstrap: str, tmp_path: Path) -> None:
             f" faulty run {wall:.0f} s (clean run {clean_wall:.0f} s), {orphans} staged versions never announced"
             "\n  " + "; ".join(chaos.exits)
         )
-        await assert_same_index(pool, connection_id, faulty, clean, chunk_rows)
+        await assert_same_index(pool, connection_id, faulty, clean, chunk_rows, DIMENSION)
         assert chaos.crashes == Counter(CONSUMERS), chaos.crashes
         assert set(chaos.kills) == {FETCHER, *CONSUMERS}, chaos.kills
     finally:
@@ -445,48 +351,3 @@ async def drive(chaos: Chaos, schedule: list[Kill], corpus: Path, pool: asyncpg.
             if sync_done and not sync_wanted and not schedule and await lag.drained():
                 return syncs
             await asyncio.sleep(0.3)
-
-
-async def assert_same_index(
-    pool: asyncpg.Pool,
-    connection_id: str,
-    faulty: dict[str, IndexedDocument],
-    clean: dict[str, IndexedDocument],
-    chunk_rows: int,
-) -> None:
-    """The faulty run's index is the clean run's, and its bookkeeping is consistent."""
-    assert set(faulty) == set(clean), (
-        f"missing {sorted(set(clean) - set(faulty))[:10]}, unexpected {sorted(set(faulty) - set(clean))[:10]}"
-    )
-    different = [source for source in clean if faulty[source] != clean[source]]
-    assert not different, f"{len(different)} documents differ from the clean run, e.g. {different[:5]}"
-    assert chunk_rows == sum(len(chunks) for _, chunks in clean.values())
-    in_connection = "FROM chunks c JOIN documents d ON d.id = c.document_id WHERE d.connection_id = $1"
-    distinct = await count(pool, f"SELECT count(DISTINCT (c.document_id, c.ordinal)) {in_connection}", connection_id)
-    assert chunk_rows == distinct, "duplicate (document, ordinal)"
-    counted = await count(
-        pool,
-        "SELECT coalesce(sum(chunk_count), 0) FROM documents WHERE connection_id = $1 AND status = 'indexed'",
-        connection_id,
-    )
-    assert chunk_rows == counted, "documents.chunk_count disagrees with the chunks table"
-    table = await pool.fetchval(
-        "SELECT table_name FROM embedding_spaces WHERE model_key = $1", f"dashscope-text-embedding-v3-{DIMENSION}"
-    )
-    assert table is not None
-    embedded = await count(
-        pool,
-        f"SELECT count(*) {in_connection} AND (SELECT count(*) FROM {table} e WHERE e.chunk_id = c.id) = 1",
-        connection_id,
-    )
-    assert embedded == chunk_rows, f"{chunk_rows - embedded} chunks without exactly one embedding"
-    leftover = await count(
-        pool,
-        "SELECT count(*) FROM pending_batches WHERE document_id IN (SELECT id FROM documents WHERE connection_id = $1)",
-        connection_id,
-    )
-    assert leftover == 0, f"{leftover} batches left in pending_batches"
-    failures = await pool.fetch(
-        "SELECT source, step, code, message FROM document_failures WHERE connection_id = $1", connection_id
-    )
-    assert not failures, [dict(row) for row in failures[:5]]

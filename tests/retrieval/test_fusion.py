@@ -10,7 +10,7 @@ import pytest
 
 from ragstream.connectors.folder import FolderConnector
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchFilters, SearchRequest
-from ragstream.retrieval.fusion import convex_fusion, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import ConvexFusion, convex_fusion, reciprocal_rank_fusion
 from ragstream.runtime import Runtime
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore
@@ -103,7 +103,7 @@ async def test_the_retriever_scores_every_candidate_by_both_legs(runtime: Runtim
         store,
         runtime.embedder,
         CitationStore(runtime.pool),
-        settings=RetrievalSettings(leg_size=2, fusion="convex", convex_alpha=alpha),
+        settings=RetrievalSettings(leg_size=2, fusion=ConvexFusion(alpha=alpha)),
     )
 
     response = await retriever.search(SearchRequest(query=query, top_k=4, filters=filters))

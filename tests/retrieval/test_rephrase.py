@@ -18,12 +18,13 @@ from ragstream.retrieval import (
     SearchResponse,
 )
 from ragstream.retrieval.rephrase import CHAT_PATH as CHAT_ROUTE
-from ragstream.retrieval.rephrase import SYSTEM_PROMPT, DashScopeChatRephraser, RephraseError
+from ragstream.retrieval.rephrase import SYSTEM_PROMPT, DashScopeChatRephraser, RephraseError, Rephrasing
 from ragstream.retrieval.rerank import RERANK_PATH
 from ragstream.runtime import Runtime, create_rephraser, open_runtime
 from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.search import SearchStore
+from tests.support.fake_dashscope import CHITCHAT_REPLY
 
 # The fake vendors listen on 127.0.0.1.
 pytestmark = pytest.mark.usefixtures("private_networks")
@@ -72,17 +73,70 @@ async def make_rephraser(fake_dashscope: FakeDashScope) -> AsyncIterator[MakeRep
 async def test_rewrites_a_follow_up_from_the_history(
     fake_dashscope: FakeDashScope, make_rephraser: MakeRephraser
 ) -> None:
-    assert await make_rephraser().rephrase(FOLLOW_UP, HISTORY) == STANDALONE
+    assert await make_rephraser().rephrase(FOLLOW_UP, HISTORY) == Rephrasing("rephrased", STANDALONE)
 
     (body,) = fake_dashscope.bodies(CHAT_PATH)
     assert (body["model"], body["temperature"]) == ("qwen-plus", 0)
+    assert body["response_format"] == {"type": "json_object"}
     system, user = body["messages"]
     assert system == {"role": "system", "content": SYSTEM_PROMPT}
     assert user["role"] == "user"
     assert json.loads(user["content"]) == {
         "history": [turn.model_dump() for turn in HISTORY],
         "question": FOLLOW_UP,
+        "user_context": {},
     }
+
+
+async def test_a_greeting_is_answered_as_chitchat(make_rephraser: MakeRephraser) -> None:
+    decided = await make_rephraser().rephrase("Hello there!", HISTORY)
+
+    assert decided == Rephrasing("chitchat", "", reply=CHITCHAT_REPLY)
+
+
+async def test_an_incomplete_question_is_completed_from_the_user_context(
+    fake_dashscope: FakeDashScope, make_rephraser: MakeRephraser
+) -> None:
+    decided = await make_rephraser().rephrase("What is the leave policy?", [], {"department": "sales"})
+
+    assert decided == Rephrasing("enriched", "What is the leave policy of the sales department?")
+    (body,) = fake_dashscope.bodies(CHAT_PATH)
+    assert json.loads(body["messages"][1]["content"])["user_context"] == {"department": "sales"}
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ('{"outcome": "chitchat", "reply": " Hi! "}', Rephrasing("chitchat", "", reply="Hi!")),
+        ('{"outcome": "rephrase", "question": "\u201cWhat is X?\u201d"}', Rephrasing("rephrased", "What is X?")),
+        ('{"outcome": "enrich", "question": "X 的保留期是多久？"}', Rephrasing("enriched", "X 的保留期是多久？")),
+    ],
+)
+async def test_each_json_outcome_is_read(
+    fake_dashscope: FakeDashScope, make_rephraser: MakeRephraser, answer: str, expected: Rephrasing
+) -> None:
+    fake_dashscope.chat_content = answer
+
+    assert await make_rephraser().rephrase(FOLLOW_UP, HISTORY) == expected
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        ('{"outcome": "answer", "question": "What is X?"}', "no known outcome"),
+        ('{"outcome": "chitchat"}', "no reply"),
+        ('{"outcome": "enrich", "question": "  "}', "no question"),
+        ('["rephrase", "What is X?"]', "no known outcome"),
+    ],
+)
+async def test_a_json_answer_of_no_outcome_is_an_error(
+    fake_dashscope: FakeDashScope, make_rephraser: MakeRephraser, answer: str, reason: str
+) -> None:
+    fake_dashscope.chat_content = answer
+
+    with pytest.raises(RephraseError, match=reason) as caught:
+        await make_rephraser().rephrase(FOLLOW_UP, HISTORY)
+    assert not caught.value.retryable
 
 
 async def test_only_recent_turns_go_out_and_each_is_capped(
@@ -107,12 +161,12 @@ async def test_only_recent_turns_go_out_and_each_is_capped(
         ("Why 'quoted' words stay", "Why 'quoted' words stay"),
     ],
 )
-async def test_the_answer_is_stripped_of_whitespace_and_quotes(
+async def test_a_bare_question_is_read_as_a_rephrase_stripped_of_whitespace_and_quotes(
     fake_dashscope: FakeDashScope, make_rephraser: MakeRephraser, answer: str, expected: str
 ) -> None:
     fake_dashscope.chat_content = answer
 
-    assert await make_rephraser().rephrase(FOLLOW_UP, HISTORY) == expected
+    assert await make_rephraser().rephrase(FOLLOW_UP, HISTORY) == Rephrasing("rephrased", expected)
 
 
 async def test_an_empty_answer_is_an_error(fake_dashscope: FakeDashScope, make_rephraser: MakeRephraser) -> None:
@@ -164,6 +218,12 @@ async def scope(runtime: Runtime, tmp_path_factory: pytest.TempPathFactory) -> S
     (folder / "orderbook.md").write_text("# Orderbook\n\nThe retention period for the orderbook topic is 9 days.\n")
     (folder / "trades.md").write_text("# Trades\n\nThe retention period for the trades topic is 30 days.\n")
     (folder / "schema.md").write_text("# Schema\n\nEach message of the trades topic has a price and a size.\n")
+    (folder / "leave-sales.md").write_text(
+        "# Sales leave policy\n\nThe leave policy of the sales department grants 25 days off, booked in the CRM.\n"
+    )
+    (folder / "leave-engineering.md").write_text(
+        "# Engineering leave policy\n\nThe leave policy of the engineering department grants 28 days off.\n"
+    )
     assert (await runtime.pipeline().sync(FolderConnector(folder))).ok
     return SearchFilters(connection_ids=[FolderConnector(folder).connection_id])
 
@@ -197,13 +257,55 @@ async def test_search_runs_the_standalone_question(
 
 
 @pytest.mark.integration
-async def test_search_without_history_does_not_ask_the_model(
+async def test_a_caller_that_opts_out_is_searched_without_asking_the_model(
+    runtime: Runtime, scope: SearchFilters, make_rephraser: MakeRephraser, fake_dashscope: FakeDashScope
+) -> None:
+    request = SearchRequest(query=FOLLOW_UP, history=HISTORY, filters=scope, rephrase=False)
+
+    response = await retriever(runtime, make_rephraser()).search(request)
+
+    assert (response.rewritten_query, response.rephrase_outcome) == (None, "original") and response.results
+    assert fake_dashscope.requests == 0
+
+
+@pytest.mark.integration
+async def test_a_standalone_question_is_searched_as_sent(
     runtime: Runtime, scope: SearchFilters, make_rephraser: MakeRephraser, fake_dashscope: FakeDashScope
 ) -> None:
     response = await retriever(runtime, make_rephraser()).search(SearchRequest(query=STANDALONE, filters=scope))
 
-    assert response.rewritten_query is None and response.results
-    assert fake_dashscope.requests == 0
+    assert (response.rewritten_query, response.rephrase_outcome) == (None, "original") and response.results
+    assert fake_dashscope.requests == 1
+
+
+@pytest.mark.integration
+async def test_chitchat_is_answered_without_searching(
+    runtime: Runtime, scope: SearchFilters, make_rephraser: MakeRephraser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_search(*args: Any) -> None:
+        raise AssertionError("chit-chat must not reach the index")
+
+    searcher = retriever(runtime, make_rephraser())
+    monkeypatch.setattr(searcher, "_candidates", no_search)
+
+    response = await searcher.search(SearchRequest(query="Thanks, that helps!", history=HISTORY, filters=scope))
+
+    assert (response.rephrase_outcome, response.reply, response.results) == ("chitchat", CHITCHAT_REPLY, [])
+
+
+@pytest.mark.integration
+async def test_an_incomplete_question_searches_the_callers_department(
+    runtime: Runtime, scope: SearchFilters, make_rephraser: MakeRephraser
+) -> None:
+    request = SearchRequest(
+        query="What is the leave policy?", user_context={"department": "sales"}, top_k=2, filters=scope
+    )
+
+    response = await retriever(runtime, make_rephraser()).search(request)
+
+    assert response.rephrase_outcome == "enriched"
+    assert response.rewritten_query == "What is the leave policy of the sales department?"
+    assert response.results[0].source == "leave-sales.md"
 
 
 def server_error(fake: FakeDashScope) -> None:

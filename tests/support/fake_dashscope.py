@@ -244,12 +244,40 @@ def rewrite_follow_up(question: str, history: list[dict[str, Any]]) -> str:
     return f"{head} for {subject}?"
 
 
-def _chat_conversation(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """The latest question and the turns before it, from either prompt shape.
+_GREETING = re.compile(r"^\s*(?:hi|hello|hey|thanks|thank you|good (?:morning|evening)|你好|谢谢|早上好)\b", re.I)
+CHITCHAT_REPLY = "Hello! Ask me anything about your knowledge base."
 
-    A last user message holding ``{"history": [...], "question": "..."}`` (ragstream's rephraser)
-    is read as such; otherwise the last user message is the question and the earlier user and
-    assistant messages are the history.
+
+def decide(question: str, history: list[dict[str, Any]], user_context: dict[str, Any]) -> dict[str, str]:
+    """The fake LLM's decision in JSON mode, one deterministic rule per outcome: a greeting is
+    chit-chat; "… policy" from a caller with a ``department`` in their context (and none in the
+    question) is enriched with it; anything else is rephrased by ``rewrite_follow_up``."""
+    if _GREETING.match(question):
+        return {"outcome": "chitchat", "reply": CHITCHAT_REPLY}
+    department = user_context.get("department")
+    if isinstance(department, str) and "policy" in question.lower() and "department" not in question.lower():
+        return {"outcome": "enrich", "question": f"{question.rstrip('?？ ')} of the {department} department?"}
+    return {"outcome": "rephrase", "question": rewrite_follow_up(question, history)}
+
+
+_CONTEXT_PROMPT = re.compile(r"<document>\n# (?P<title>[^\n]*)\n.*</document>.*<chunk>\n(?P<chunk>.*)\n</chunk>", re.S)
+
+
+def situate(prompt: str) -> str | None:
+    """The fake LLM's answer to a contextual-retrieval prompt: the document's title and the chunk's
+    first line, or None when ``prompt`` is not one."""
+    match = _CONTEXT_PROMPT.search(prompt)
+    if match is None:
+        return None
+    return f"Part of the document {match['title']}, on {match['chunk'].splitlines()[0]}."
+
+
+def _chat_conversation(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """The latest question, the turns before it and the caller's context, from either prompt shape.
+
+    A last user message holding ``{"history": [...], "question": "...", "user_context": {...}}``
+    (ragstream's rephraser) is read as such; otherwise the last user message is the question and the
+    earlier user and assistant messages are the history.
     """
     last = max(i for i, m in enumerate(messages) if m["role"] == "user")
     content = messages[last]["content"]
@@ -258,8 +286,9 @@ def _chat_conversation(messages: list[dict[str, Any]]) -> tuple[str, list[dict[s
     except ValueError:
         packed = None
     if isinstance(packed, dict) and isinstance(packed.get("question"), str) and isinstance(packed.get("history"), list):
-        return packed["question"], packed["history"]
-    return content, [m for m in messages[:last] if m["role"] in ("user", "assistant")]
+        context = packed.get("user_context")
+        return packed["question"], packed["history"], context if isinstance(context, dict) else {}
+    return content, [m for m in messages[:last] if m["role"] in ("user", "assistant")], {}
 
 
 def _request_id() -> str:
@@ -462,8 +491,19 @@ def create_app(fake: FakeDashScope) -> FastAPI:
                 return _compatible_error(400, "InvalidParameter", "each message needs a role and a string content.")
             if not any(m["role"] == "user" for m in messages):
                 return _compatible_error(400, "InvalidParameter", "messages need a user message.")
-            question, history = _chat_conversation(messages)
-            content = fake.chat_content if fake.chat_content is not None else rewrite_follow_up(question, history)
+            json_mode = body.get("response_format") == {"type": "json_object"}
+            if json_mode and not any("json" in m["content"].lower() for m in messages):
+                # As the platform: JSON mode needs the prompt to ask for JSON.
+                return _compatible_error(
+                    400, "InvalidParameter", "'messages' must contain the word 'json' in some form."
+                )
+            question, history, user_context = _chat_conversation(messages)
+            if fake.chat_content is not None:
+                content = fake.chat_content
+            elif json_mode:
+                content = json.dumps(decide(question, history, user_context), ensure_ascii=False)
+            else:
+                content = situate(question) or rewrite_follow_up(question, history)
             prompt_tokens = sum(len(tokenize(m["content"])) for m in messages)
             completion_tokens = len(tokenize(content))
             return JSONResponse(

@@ -50,10 +50,14 @@ DEFAULT_APP_ID = "cli_fake0123456789"
 DEFAULT_APP_SECRET = "fake-feishu-secret-0123456789abcdef"
 
 TOKEN_PATH = "/open-apis/auth/v3/tenant_access_token/internal"
+SEARCH_PATH = "/open-apis/search/v2/doc_wiki/search"
+#: §2.4: a unified-search query longer than 30 characters fails validation with 99992402.
+MAX_SEARCH_QUERY = 30
 MAX_PAGE_SIZE = 50
 DEFAULT_PAGE_SIZE = 20
 
-#: §2.6: wiki lists 100/min, docs/v1/content 5/s. ASSUMPTION: raw_content shares the docx 5/s.
+#: §2.6: wiki lists 100/min, docs/v1/content 5/s. ASSUMPTION: raw_content shares the docx 5/s, and
+#: unified search the wiki lists' 100/min.
 DEFAULT_LIMITS: dict[str, tuple[int, float]] = {"wiki": (100, 60.0), "content": (5, 1.0)}
 
 
@@ -315,6 +319,17 @@ def _error(status: int, code: int, msg: str, headers: dict[str, str] | None = No
     return JSONResponse({"code": code, "msg": msg, "data": {}}, status_code=status, headers=headers)
 
 
+def _highlight(text: str, query: str) -> str:
+    return re.sub(re.escape(query), lambda match: f"<h>{match.group(0)}</h>", text, flags=re.I) if query else text
+
+
+def _around(content: str, query: str, width: int = 80) -> str:
+    """The content around the query's first match (its start when it has none), on one line."""
+    at = content.lower().find(query.lower()) if query else -1
+    start = max(at - width, 0) if at >= 0 else 0
+    return " ".join(content[start : start + 2 * width + len(query)].split())
+
+
 def _ok(data: dict[str, Any]) -> JSONResponse:
     return JSONResponse({"code": 0, "msg": "success", "data": data})
 
@@ -439,6 +454,54 @@ def create_app(fake: FakeFeishu) -> FastAPI:
             # third-party reports show for the docx API.
             return _error(403, 1770032, "forBidden")
         return node
+
+    @app.post(SEARCH_PATH)
+    async def unified_search(request: Request) -> JSONResponse:
+        """Unified search with the app's tenant token (§2.4): docx pages of the spaces the app is a
+        member of whose title or content holds the query, case-insensitively. ASSUMPTION (shapes from
+        the official SDK's models, ranking and highlighting undocumented): title matches first, the
+        match wrapped in ``<h>``, a summary of the content around it, ``page_token`` an offset."""
+        if failed := gate(request, "wiki"):
+            return failed
+        try:
+            body: Any = await request.json()
+        except ValueError:
+            body = None
+        query = body.get("query") if isinstance(body, dict) else None
+        size = body.get("page_size", DEFAULT_PAGE_SIZE) if isinstance(body, dict) else None
+        if not isinstance(query, str) or len(query) > MAX_SEARCH_QUERY or not isinstance(size, int):
+            return _error(400, 99992402, "field validation failed")
+        size = min(max(size, 1), MAX_PAGE_SIZE)
+        spaces = ((body.get("wiki_filter") or {}).get("space_ids")) if isinstance(body, dict) else None
+        needle = query.lower()
+        with fake.lock:
+            found = [
+                node
+                for space in fake.spaces.values()
+                if space.member and (not spaces or space.space_id in spaces)
+                for node in space.nodes.values()
+                if node.obj_type == "docx" and (needle in node.title.lower() or needle in node.content.lower())
+            ]
+        found.sort(key=lambda node: (needle not in node.title.lower(), node.title))
+        start = int(body.get("page_token") or 0) if str(body.get("page_token") or "0").isdigit() else 0
+        page = found[start : start + size]
+        units = [
+            {
+                "title_highlighted": _highlight(node.title, query),
+                "summary_highlighted": _highlight(_around(node.content, query), query),
+                "entity_type": "WIKI",
+                "result_meta": {
+                    "token": node.node_token,
+                    "url": f"https://fake.feishu.cn/wiki/{node.node_token}",
+                    "doc_types": "DOCX",
+                    "update_time": node.obj_edit_time,
+                    "owner_id": node.owner,
+                },
+            }
+            for node in page
+        ]
+        more = start + size < len(found)
+        return _ok({"total": len(found), "has_more": more, "res_units": units, "page_token": str(start + size)})
 
     @app.get("/open-apis/docs/v1/content")
     async def markdown_content(request: Request) -> JSONResponse:

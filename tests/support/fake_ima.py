@@ -4,7 +4,8 @@ It serves what the connector calls, all JSON ``POST``: ``wiki/v1/search_knowledg
 ``get_knowledge_base``, ``get_knowledge_list`` (cursor lists ending in ``is_end``, folders with
 ``current_path``), ``search_knowledge`` (``highlight_content`` snippets), ``get_media_info``
 (``notebook_ext_info`` for notes, ``url_info`` for files, whose download it also serves) and
-``note/v1/get_doc_content``. Both headers are checked; the envelope is ``{code, msg, data}`` or, when
+``note/v1/get_doc_content``, and ``note/v1/search_note`` over the key owner's notebook notes (in
+no base). Both headers are checked; the envelope is ``{code, msg, data}`` or, when
 switched, ``{retcode, errmsg, data}``. Export (get_doc_content) is
 capped at 50 a minute, answered with code 110021, which can also be injected; 110030 answers a media
 item the key may not read and 220030 an export by a key without the export permission.
@@ -82,6 +83,8 @@ class FakeIma:
     export_denied: bool = False
     export_limit: tuple[int, float] = EXPORT_LIMIT
     bases: dict[str, FakeBase] = field(default_factory=dict)
+    #: Notes of the key owner's notebooks, in no knowledge base (found by search_note).
+    notebook: dict[str, FakeMedia] = field(default_factory=dict)
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     throttles: deque[str] = field(default_factory=deque)
     #: Requests still to answer HTTP 403 "请求超量" (over quota).
@@ -113,6 +116,14 @@ class FakeIma:
             base.media[media.media_id] = media
             return media
 
+    def add_note(self, title: str, content: str) -> FakeMedia:
+        """A notebook note, outside every base."""
+        with self.lock:
+            number = next(self._ids)
+            media = FakeMedia(f"n{number:04d}{secrets.token_hex(3)}", title, NOTE, content, "", number)
+            self.notebook[media.media_id] = media
+            return media
+
     def edit(self, media: FakeMedia, content: str) -> None:
         with self.lock:
             media.content = content
@@ -142,6 +153,7 @@ class FakeIma:
             self.retcode_envelope = self.export_denied = False
             self.export_limit = EXPORT_LIMIT
             self.bases.clear()
+            self.notebook.clear()
             self.requests.clear()
             self.throttles.clear()
             self.over_quota = 0
@@ -313,6 +325,26 @@ def create_app(fake: FakeIma) -> FastAPI:
             ]
         return listing(f"search:{base.kb_id}:{query}", items, body, "knowledge_list")
 
+    @app.post("/openapi/note/v1/search_note")
+    async def search_note(request: Request) -> JSONResponse:
+        body, failed = await gate(request)
+        if failed:
+            return failed
+        query = str(body.get("query") or "")
+        with fake.lock:
+            # ASSUMPTION: search_note's fields are undocumented; ``note_list`` items with ``note_id``,
+            # ``title`` and ``highlight_content``, notes whose title or content has any term.
+            items = [
+                {
+                    "note_id": media.note_id,
+                    "title": media.title,
+                    "highlight_content": f"<em>{query}</em> {media.content[:120]}",
+                }
+                for media in fake.notebook.values()
+                if any(term in f"{media.title} {media.content}".lower() for term in query.lower().split())
+            ]
+        return listing(f"notes:{query}", items, body, "note_list")
+
     @app.post("/openapi/wiki/v1/get_media_info")
     async def get_media_info(request: Request) -> JSONResponse:
         body, failed = await gate(request)
@@ -345,7 +377,8 @@ def create_app(fake: FakeIma) -> FastAPI:
             return envelope(110021, "rate limited")
         note_id = str(body.get("note_id") or body.get("doc_id") or "")  # Conflict: both names are seen
         with fake.lock:
-            media = next((m for base in fake.bases.values() for m in base.media.values() if m.note_id == note_id), None)
+            every = [*(m for base in fake.bases.values() for m in base.media.values()), *fake.notebook.values()]
+            media = next((m for m in every if m.note_id == note_id), None)
         if media is None:
             return envelope(110004, "note not found")
         return envelope(0, "ok", {"content": media.content})

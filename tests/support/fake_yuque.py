@@ -2,7 +2,8 @@
 
 It serves what the connector calls under ``/api/v2``: the token's user, its groups, the Book repos of
 a user or group, one repo, a repo's docs (``offset``/``limit`` ≤ 100, ``meta.total``), its TOC, one
-doc with ``body``, ``body_html`` and ``body_lake``, and the doc search (pages of 20). Every request
+doc with ``body``, ``body_html`` and ``body_lake``, the doc search (pages of 20), and the writes: a
+doc created (``POST …/docs``, not added to the TOC) or updated (``PUT …/docs/:id``). Every request
 needs ``X-Auth-Token`` (401 otherwise) and a ``User-Agent``; a sliding window and injected faults
 answer HTTP 429 with the ``X-RateLimit-*`` headers; a doc the token may not read answers 403, a missing one 404.
 
@@ -85,6 +86,8 @@ class FakeRepo:
     name: str
     public: int = 1
     docs: dict[int, FakeDoc] = field(default_factory=dict)
+    #: The token may read but not write this repo (a write answers 403).
+    read_only: bool = False
     #: TOC entries besides the docs': TITLE groups, uuid → title (and their parent uuid).
     titles: dict[str, tuple[str, str]] = field(default_factory=dict)
 
@@ -350,6 +353,57 @@ def create_app(fake: FakeYuque) -> FastAPI:
         start = (int(page) - 1) * SEARCH_PAGE
         meta = {"total": len(hits), "pageNo": int(page), "pageSize": SEARCH_PAGE}
         return JSONResponse({"meta": meta, "data": hits[start : start + SEARCH_PAGE]})
+
+    async def written_fields(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body: Any = await request.json()
+        except ValueError:
+            return _error(400, "invalid parameters")
+        if not isinstance(body, dict) or body.get("format", "markdown") not in ("markdown", "html", "lake"):
+            return _error(422, "parameter validation failed")
+        return body
+
+    @app.post("/api/v2/repos/{group}/{book}/docs")
+    async def create_doc(group: str, book: str, request: Request) -> JSONResponse:
+        if failed := gate(request):
+            return failed
+        fields = await written_fields(request)
+        if isinstance(fields, JSONResponse):
+            return fields
+        if not isinstance(fields.get("body"), str):
+            return _error(422, "body is required")
+        with fake.lock:
+            repo = repo_of(group, book)
+            if isinstance(repo, JSONResponse):
+                return repo
+            if repo.read_only:
+                return _error(403, "no permission")
+            doc = fake.add_doc(repo, str(fields.get("title") or "无标题"), fields["body"])
+            doc.public = int(fields.get("public", repo.public))
+            # API-made docs are not in the TOC until PUT …/toc: a parent would come from there.
+            return JSONResponse({"data": {**doc.listed(repo.id), "format": "markdown", "body": doc.body}})
+
+    @app.put("/api/v2/repos/{group}/{book}/docs/{doc_id}")
+    async def update_doc(group: str, book: str, doc_id: str, request: Request) -> JSONResponse:
+        if failed := gate(request):
+            return failed
+        fields = await written_fields(request)
+        if isinstance(fields, JSONResponse):
+            return fields
+        with fake.lock:
+            repo = repo_of(group, book)
+            if isinstance(repo, JSONResponse):
+                return repo
+            doc = next((doc for doc in repo.docs.values() if doc_id in (str(doc.id), doc.slug)), None)
+            if doc is None:
+                return _error(404, "doc not found")
+            if repo.read_only or doc.denied:
+                return _error(403, "no permission")
+            if isinstance(fields.get("title"), str):
+                doc.title = fields["title"]
+            if isinstance(fields.get("body"), str):
+                fake.edit(doc, fields["body"])
+            return JSONResponse({"data": {**doc.listed(repo.id), "format": "markdown", "body": doc.body}})
 
     @app.get("/api/v2/repos/{group}/{book}/docs/{doc_id}")
     async def get_doc(group: str, book: str, doc_id: str, request: Request) -> JSONResponse:

@@ -13,15 +13,9 @@ from typing import Self
 
 import httpx
 
-__all__ = ["MODULES", "ServiceProcess"]
+from ragstream.distributed import SERVICE_APPS as MODULES
 
-MODULES = {
-    "connector-fetcher": "ragstream_fetcher.main:create_app",
-    "chunker": "ragstream_chunker.main:create_app",
-    "embedder": "ragstream_embedder.main:create_app",
-    "indexer": "ragstream_indexer.main:create_app",
-    "retriever": "ragstream_retriever.main:create_app",
-}
+__all__ = ["MODULES", "ServiceProcess"]
 
 
 def _free_port() -> int:

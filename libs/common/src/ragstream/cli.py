@@ -1,15 +1,17 @@
-"""The ``ragstream`` command: embedded mode (up), folder sync (ingest), search, sync status, replay and
-credential rotation."""
+"""The ``ragstream`` command: embedded mode (up), the distributed mode on one machine (run-distributed),
+folder sync (ingest), search, sync status, replay, migrations and credential rotation."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import asyncpg
 import typer
 from pydantic import ValidationError
 from rich.console import Console
@@ -23,8 +25,9 @@ from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import RunOutcome, SyncRunner
 from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgress, SyncRunStore
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
+from ragstream.jobs.progress import SyncProgress
+from ragstream.jobs.sync import SyncReport
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
-from ragstream.pipeline import SyncProgress, SyncReport
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
@@ -32,7 +35,7 @@ from ragstream.runtime import Runtime, open_database, open_runtime, resolve_data
 from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
-from ragstream.storage.database import connect_pool
+from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
 
 __all__ = ["app"]
 
@@ -403,6 +406,9 @@ def up(
     Each folder becomes a connection synced now and on its schedule; `ragstream status` shows its runs."""
     from ragstream.api.auth import Access, AccessSetupError
     from ragstream.embedded import serve
+    from ragstream.telemetry import tracer_provider
+
+    tracer_provider("up")  # spans of every request, exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
 
     try:  # before the store starts: a refused host costs nothing
         access = Access.for_embedded(Settings(), host)
@@ -428,6 +434,83 @@ def up(
             )
 
     asyncio.run(main())
+
+
+@app.command("run-distributed")
+def run_distributed(
+    source: Annotated[list[Path] | None, typer.Option("--source", help="Folder to sync (repeatable)")] = None,
+    port: Annotated[int, typer.Option("--port", envvar="PORT", help="Search API (retriever) port")] = 8080,
+    control_port: Annotated[
+        int, typer.Option("--control-port", envvar="CONTROL_PORT", help="Control-plane API (connector-fetcher) port")
+    ] = 8081,
+    grpc_port: Annotated[
+        int,
+        typer.Option("--grpc-port", envvar="RAGSTREAM_GRPC_PORT", min=0, max=65535, help="gRPC API port; 0 disables"),
+    ] = 50051,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    sync_interval: Annotated[float, typer.Option("--sync-interval", help="Seconds between syncs", min=1)] = 3600,
+) -> None:
+    """Distributed mode on this machine: Apache Kafka, PostgreSQL with pgvector and the five services as
+    separate processes; search on --port, the control-plane API on --control-port. Ctrl-C stops all."""
+    from ragstream.distributed import DistributedOptions
+    from ragstream.distributed import run_distributed as launch
+
+    options = DistributedOptions(
+        host=host,
+        port=port,
+        control_port=control_port,
+        grpc_port=grpc_port,
+        sources=[path.resolve() for path in source or []],
+        sync_interval_s=sync_interval,
+        data_dir=Settings().data_dir,
+    )
+    raise typer.Exit(launch(options))
+
+
+@app.command()
+def migrate(
+    database_url: Annotated[
+        str | None, typer.Option("--database-url", help="PostgreSQL DSN; default DATABASE_URL, else the embedded store")
+    ] = None,
+    wait: Annotated[
+        float | None,
+        typer.Option(
+            "--wait",
+            help="Apply nothing: wait up to this many seconds until the migrations are applied (by another "
+            "process, e.g. the deployment's migration Job), then exit 0; else exit 1",
+            min=0,
+        ),
+    ] = None,
+) -> None:
+    """Apply the database migrations not applied yet; the deployments run this as a Job before the services."""
+    settings = Settings(database_url=database_url) if database_url else Settings()
+
+    async def apply() -> list[str]:
+        async with resolve_database(settings) as dsn:
+            return await apply_migrations(dsn)
+
+    async def applied_elsewhere(timeout_s: float) -> list[str]:
+        """What is still pending at the deadline (the database unreachable meanwhile counts as pending)."""
+        deadline = time.monotonic() + timeout_s
+        async with resolve_database(settings) as dsn:
+            while True:
+                try:
+                    pending = await pending_migrations(dsn)
+                except (OSError, asyncpg.PostgresError) as error:
+                    pending = [f"(database unreachable: {error})"]
+                if not pending or time.monotonic() >= deadline:
+                    return pending
+                await asyncio.sleep(2)
+
+    if wait is None:
+        applied = asyncio.run(apply())
+        typer.echo(f"{len(applied)} migration(s) applied" + (": " + ", ".join(applied) if applied else ""))
+        return
+    pending = asyncio.run(applied_elsewhere(wait))
+    if pending:
+        console.print(f"[red]migrations still pending after {wait:.0f} s: {', '.join(pending)}[/]", highlight=False)
+        raise typer.Exit(1)
+    typer.echo("the database schema is current")
 
 
 _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")

@@ -6,9 +6,8 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
@@ -16,31 +15,25 @@ from typing_extensions import override
 
 from ragstream.api.admission import SearchAdmission
 from ragstream.api.auth import Access
-from ragstream.api.connections import connections_router
+from ragstream.api.control_plane import control_plane_routers
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
-from ragstream.api.rechunk import rechunk_router
-from ragstream.api.reindex import reindex_router
-from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
-from ragstream.api.syncs import sync_router
+from ragstream.api.knowledge import knowledge_router
+from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
 from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.runs import SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
+from ragstream.knowledge.control_plane import writing_knowledge
+from ragstream.knowledge.service import KnowledgeService
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
-from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
-from ragstream.storage.citations import CitationStore
-from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import DatabaseUnavailable, ping
-from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
-from ragstream.storage.rechunk import RechunkStore
-from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["api_app", "serve"]
 
@@ -97,6 +90,7 @@ async def serve(
         admission=admission,
         searcher=searcher,
         supervisor=supervisor,
+        own_folders=sources,
     )
     # Keep-alive longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): with
     # equal timeouts a client reusing a connection races the server closing it, and a busy client,
@@ -121,7 +115,8 @@ async def serve(
             )
         )
     try:
-        async with _grpc(runtime, searcher, host, grpc_port, access, admission, supervisor):
+        knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher)
+        async with _grpc(runtime, searcher, knowledge, host, grpc_port, access, admission, supervisor):
             await server.serve()
     finally:
         for task in background:
@@ -173,23 +168,14 @@ def api_app(
     admission: SearchAdmission | None = None,
     searcher: SearchWithDirect | None = None,
     supervisor: EmbeddedSupervisor | None = None,
+    own_folders: Sequence[Path] = (),
 ) -> FastAPI:
-    """The HTTP API of ``ragstream up``: search and reads, connections and their syncs, replays,
-    re-chunking and re-indexing. Search is ``searcher`` when given (live platforms beside the index),
+    """The HTTP API of ``ragstream up``: search and the knowledge tool beside the control plane the
+    connector-fetcher serves too. Search is ``searcher`` when given (live platforms beside the index),
     else the hybrid retriever alone."""
 
     async def ready() -> bool:
         return await _ready(runtime, supervisor)
-
-    def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
-        """A connection created with RAG on, or switched back on, is synced in full right away."""
-
-        async def start(connection_id: str) -> None:
-            with contextlib.suppress(SyncInProgress):
-                await runs.start(connection_id, trigger)
-            runner.wake()
-
-        return start
 
     async def replay(request: ReplayRequest) -> ReplayResult:
         if request.source == "dead-letter":
@@ -203,33 +189,13 @@ def api_app(
             failed_again=replayed.failed,
         )
 
-    connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(runtime.settings))
-    reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
-
-    async def resolve_embedding(spec: dict[str, Any]) -> tuple[str, int]:
-        embedder = await runtime.spaces.resolve(spec)
-        return embedder.model_key, embedder.dimension
-
+    knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher or runtime.retriever)
     return create_app(
         (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
         ready=ready,
-        sync_progress=lambda: runner.live,
-        reader=lambda: reader,
         routers=[
-            connections_router(
-                connections,
-                on_created=first_sync("create"),
-                on_rag_enabled=first_sync("api"),
-                on_chunking_changed=rechunker.start,
-                on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
-                resolve_embedding=resolve_embedding,
-                folder_roots=runtime.settings.folders.roots(),
-                allow_private_networks=runtime.settings.outbound.allow_private_networks,
-            ),
-            rechunk_router(rechunker, RechunkStore(runtime.pool)),
-            sync_router(lambda: runs, runner.wake),
-            replay_router(replay),
-            reindex_router(reindexer, SpaceStore(runtime.pool)),
+            *control_plane_routers(runtime, runs, runner, reindexer, rechunker, replay, own_folders=own_folders),
+            knowledge_router(lambda: knowledge, admission=admission),
         ],
         title="ragstream",
         access=access,
@@ -242,6 +208,7 @@ def api_app(
 async def _grpc(
     runtime: Runtime,
     searcher: SearchWithDirect,
+    knowledge: KnowledgeService,
     host: str,
     port: int,
     access: Access,
@@ -258,6 +225,7 @@ async def _grpc(
 
     async with grpc_server(
         lambda: searcher,
+        knowledge=lambda: knowledge,
         host=host,
         port=port,
         ready=ready,

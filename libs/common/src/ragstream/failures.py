@@ -6,6 +6,8 @@ Hierarchy of what a stage may raise::
                       the parse budget: ``parse_timeout``, ``parse_memory``, ...)
     EmbeddingError    transient (throttling, provider down: ``embedding_unavailable``) or permanent
                       (a rejected input: ``embedding_rejected``), as the provider said
+    ContextUnavailable  the chat model of contextual retrieval failed (``context_unavailable``),
+                      transient or permanent as the provider said
     TimeoutError,     transient: the cause is outside the document and passes
     ConnectionError
     CharacterNotInRepertoireError,  permanent (``unstorable_text``): text PostgreSQL refuses (a
@@ -29,6 +31,7 @@ from typing import TypeVar
 import asyncpg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from ragstream.contextual import ContextUnavailable
 from ragstream.embedding.base import EmbeddingError
 from ragstream.messages import DocumentHeader
 from ragstream.metrics import DOCUMENTS_FAILED, DOCUMENTS_RETRIED
@@ -51,6 +54,8 @@ class StageFailure:
 def classify(error: Exception) -> StageFailure:
     if isinstance(error, ParseError):
         return StageFailure(error.code, error.message, retryable=False)
+    if isinstance(error, ContextUnavailable):
+        return StageFailure("context_unavailable", str(error), retryable=error.retryable)
     if isinstance(error, EmbeddingError):
         code = "embedding_unavailable" if error.retryable else "embedding_rejected"
         return StageFailure(code, str(error), retryable=error.retryable)
@@ -64,7 +69,7 @@ def classify(error: Exception) -> StageFailure:
 
 def is_transient(error: BaseException) -> bool:
     """Worth another attempt in a moment: the provider or the network, not the document."""
-    if isinstance(error, EmbeddingError):
+    if isinstance(error, EmbeddingError | ContextUnavailable):
         return error.retryable
     return isinstance(error, TimeoutError | ConnectionError)
 

@@ -17,13 +17,13 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
 from faststream.middlewares import AckPolicy
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY
+from pydantic import ValidationError
 
 from ragstream.messages import DeadLetter, DocumentChanged, DocumentDeleted, Topic
 from ragstream.metrics import CONSUMER_LAG, MESSAGES_OUT
 from ragstream.settings import Settings
+from ragstream.telemetry import tracer_provider
 
 __all__ = ["KafkaChangeSink", "consumer_options", "create_broker", "dead_letters", "ensure_topics", "publish"]
 
@@ -81,9 +81,7 @@ def create_broker(bootstrap_servers: str, service: str) -> KafkaBroker:
             ConsumerLagMiddleware,
             # A recording SDK provider, so every published message carries a W3C traceparent header
             # and a document can be followed from fetcher to indexer in logs and traces.
-            KafkaTelemetryMiddleware(
-                tracer_provider=TracerProvider(resource=Resource.create({"service.name": f"ragstream-{service}"}))
-            ),
+            KafkaTelemetryMiddleware(tracer_provider=tracer_provider(service)),
             KafkaPrometheusMiddleware(registry=REGISTRY, app_name=f"ragstream_{service.replace('-', '_')}"),
         ),
     )
@@ -158,7 +156,12 @@ async def dead_letters(bootstrap_servers: str) -> AsyncIterator[DeadLetter]:
             for partition, records in (await consumer.getmany(*remaining, timeout_ms=1000)).items():
                 for record in records:
                     if record.offset < ends[partition] and record.value is not None:
-                        yield DeadLetter.model_validate_json(record.value)
+                        try:
+                            letter = DeadLetter.model_validate_json(record.value)
+                        except ValidationError as error:  # not ours: one bad record must not stop a replay
+                            logger.warning("skipping dead letter %s@%d: %s", partition, record.offset, error)
+                            continue
+                        yield letter
                 if await consumer.position(partition) >= ends[partition]:
                     remaining.discard(partition)
     finally:

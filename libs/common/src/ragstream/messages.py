@@ -26,6 +26,7 @@ __all__ = [
     "DocumentHeader",
     "DocumentIndexed",
     "IndexOutcome",
+    "MessageOrigin",
     "Topic",
     "pack_vectors",
     "unpack_vectors",
@@ -165,10 +166,30 @@ class DocumentIndexed(_Message):
     chunk_count: Annotated[int, Field(title="Chunks committed")] = 0
 
 
-class DeadLetter(_Message):
-    """A document version that failed a stage for good; replaying it re-drives the document."""
+class MessageOrigin(BaseModel):
+    """Where a consumed message that could not be decoded sat, and its bytes, so it can be found,
+    inspected and published again once a consumer understands it."""
 
-    header: DocumentHeader
+    model_config = ConfigDict(frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
+
+    topic: Annotated[str, Field(title="Topic")]
+    partition: Annotated[int, Field(title="Partition", ge=0)]
+    offset: Annotated[int, Field(title="Offset", ge=0)]
+    key: Annotated[bytes | None, Field(title="Message key", description="Base64 in JSON; None: no key.")] = None
+    payload: Annotated[
+        bytes | None,
+        Field(title="Message value", description="Base64 in JSON; None when too large to carry (see the offset)."),
+    ] = None
+
+
+class DeadLetter(_Message):
+    """A document version that failed a stage for good, or a consumed message no stage could decode;
+    replaying it re-drives the document."""
+
+    header: Annotated[
+        DocumentHeader | None,
+        Field(title="Document", description="None for a message whose document could not be read."),
+    ]
     step: Annotated[str, Field(title="Stage that failed", description="fetch, chunk, embed or index.")]
     code: Annotated[str, Field(title="Error code", description="e.g. binary, invalid_utf8, embedding_unavailable.")]
     message: Annotated[str, Field(title="Human-readable reason")]
@@ -180,6 +201,10 @@ class DeadLetter(_Message):
             description="In-stage retries and replays made, before this failure was recorded for good.",
         ),
     ]
+    origin: Annotated[
+        MessageOrigin | None,
+        Field(title="Undecodable message", description="Set when the consumed message itself was rejected."),
+    ] = None
 
 
 def pack_vectors(vectors: Vectors) -> bytes:

@@ -11,12 +11,16 @@ __all__ = [
     "DOCUMENTS_RETRIED",
     "MESSAGES_IN",
     "MESSAGES_OUT",
+    "POISON_MESSAGES",
     "SEARCH_LATENCY",
     "STAGE_LATENCY",
 ]
 
 MESSAGES_IN = Counter("ragstream_messages_in_total", "Messages consumed", ["stage", "topic"])
 MESSAGES_OUT = Counter("ragstream_messages_out_total", "Messages produced", ["stage", "topic"])
+POISON_MESSAGES = Counter(
+    "ragstream_poison_messages_total", "Consumed messages dead-lettered undecoded", ["topic", "code"]
+)
 DOCUMENTS_FAILED = Counter("ragstream_documents_failed_total", "Documents that failed a stage", ["stage", "code"])
 DOCUMENTS_RETRIED = Counter(
     "ragstream_documents_retried_total", "Transient failures of a document retried within a stage", ["stage", "code"]

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragstream.chunking import Chunker, ChunkingConfig
+from ragstream.contextual import ChunkContextualizer, TitledChunk
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.stages.chunk import ChunkService
-from ragstream.stages.embed import embedding_input
+from ragstream.stages.embed import embedding_inputs
 from ragstream.storage.rechunk import (
     RebuiltChunks,
     RechunkBusy,
@@ -85,10 +86,12 @@ class Rechunker:
         *,
         batch_size: int = 16,
         progress_interval_s: float = 2.0,
+        contextualizer: ChunkContextualizer | None = None,
     ) -> None:
         self._store = store
         self._chunking = chunking
         self._spaces = spaces
+        self._contextualizer = contextualizer
         self._batch = batch_size
         self._interval = progress_interval_s
         self._tasks: dict[str, asyncio.Task[RechunkProgress]] = {}
@@ -219,7 +222,8 @@ class Rechunker:
             raise MissingContent(f"the content of version {document.version} is no longer staged; sync it again")
         title, chunks = await self._chunking.chunk(content, document.media_type, document.title, chunker)
         space = await self._spaces.for_connection(document.connection_id)
-        vectors = await space.embedder.embed([embedding_input(title, chunk.heading, chunk.text) for chunk in chunks])
+        titled = [TitledChunk(title, chunk.heading, chunk.text) for chunk in chunks]
+        vectors = await space.embedder.embed(await embedding_inputs(titled, self._contextualizer))
         return RebuiltChunks(title, chunks, vectors, space.model_key)
 
     async def _write_progress(self, run_id: int, progress: RechunkProgress) -> None:

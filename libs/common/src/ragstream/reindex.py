@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragstream.contextual import ChunkContextualizer
 from ragstream.embedding.base import Embedder, Vectors
 from ragstream.embedding.spaces import ActiveSpace
-from ragstream.stages.embed import embedding_input
+from ragstream.stages.embed import embedding_inputs
 from ragstream.storage.spaces import ChunkText, ReindexBusy, RunStatus, SpaceStore, UnknownConnection
 
 __all__ = ["ReindexBusy", "ReindexProgress", "Reindexer", "UnknownConnection"]
@@ -63,10 +64,17 @@ class Reindexer:
     """
 
     def __init__(
-        self, store: SpaceStore, spaces: ActiveSpace, *, batch_size: int = 64, progress_interval_s: float = 2.0
+        self,
+        store: SpaceStore,
+        spaces: ActiveSpace,
+        *,
+        batch_size: int = 64,
+        progress_interval_s: float = 2.0,
+        contextualizer: ChunkContextualizer | None = None,
     ) -> None:
         self._store = store
         self._spaces = spaces
+        self._contextualizer = contextualizer
         self._batch = batch_size
         self._interval = progress_interval_s
         self._tasks: dict[str | None, asyncio.Task[ReindexProgress]] = {}
@@ -259,7 +267,7 @@ class Reindexer:
                 return
 
     async def _embed(self, target: Embedder, chunks: list[ChunkText]) -> Vectors:
-        return await target.embed([embedding_input(chunk.title, chunk.heading, chunk.text) for chunk in chunks])
+        return await target.embed(await embedding_inputs(chunks, self._contextualizer))
 
     async def _write_progress(self, run_id: int, progress: ReindexProgress) -> None:
         while True:

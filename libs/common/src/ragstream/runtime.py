@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import asyncpg
 
+from ragstream.chat import ChatClient
 from ragstream.chunking import MarkdownChunking
+from ragstream.contextual import ChunkContextualizer
 from ragstream.credentials import CredentialCipher
 from ragstream.embedding import Embedder, create_embedder
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL as DASHSCOPE_BASE_URL
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.failures import StageRetry
+from ragstream.knowledge.models import IndexingState
+from ragstream.knowledge.service import KnowledgeService, Searcher
 from ragstream.parsing import Parser
 from ragstream.parsing_pool import ParserPool
 from ragstream.pipeline import EmbeddedPipeline
@@ -21,6 +25,8 @@ from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.retrieval.direct import DirectSearch
+from ragstream.retrieval.fusion import ConvexFusion, RrfFusion
+from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
 from ragstream.retrieval.rerank import DashScopeReranker, Reranker
 from ragstream.retrieval.with_direct import SearchWithDirect
@@ -28,11 +34,14 @@ from ragstream.settings import Settings
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
+from ragstream.storage.chunk_contexts import ChunkContextStore
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import close_pool, connect_pool
 from ragstream.storage.direct_connections import DirectConnectionStore
 from ragstream.storage.documents import DocumentStore
+from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
+from ragstream.storage.knowledge import KnowledgeStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import SpaceStore
@@ -40,6 +49,8 @@ from ragstream.storage.spaces import SpaceStore
 __all__ = [
     "Database",
     "Runtime",
+    "chosen_fusion",
+    "create_contextualizer",
     "create_rephraser",
     "create_reranker",
     "open_database",
@@ -66,6 +77,7 @@ class Runtime:
     embed: EmbedService
     indexer: IndexService
     retriever: HybridRetriever
+    contextualizer: ChunkContextualizer | None = None
 
     def pipeline(self) -> EmbeddedPipeline:
         return EmbeddedPipeline(
@@ -83,10 +95,27 @@ class Runtime:
         return StageRetry(attempts=retry.attempts, backoff_s=retry.backoff_s, backoff_max_s=retry.backoff_max_s)
 
     def reindexer(self) -> Reindexer:
-        return Reindexer(SpaceStore(self.pool), self.spaces)
+        return Reindexer(SpaceStore(self.pool), self.spaces, contextualizer=self.contextualizer)
 
     def rechunker(self) -> Rechunker:
-        return Rechunker(RechunkStore(self.pool), self.chunker, self.spaces)
+        return Rechunker(RechunkStore(self.pool), self.chunker, self.spaces, contextualizer=self.contextualizer)
+
+    def knowledge(
+        self,
+        searcher: Callable[[], Searcher | None],
+        on_written: Callable[[str], Awaitable[IndexingState]] | None = None,
+    ) -> KnowledgeService:
+        """The knowledge tool over ``searcher``; writes only with ``on_written`` (the control plane's
+        sync start), platform calls within the direct-search timeout."""
+        cipher = CredentialCipher.from_settings(self.settings)
+        return KnowledgeService(
+            searcher,
+            DocumentReader(DocumentReadStore(self.pool), CitationStore(self.pool)),
+            KnowledgeStore(self.pool, cipher),
+            CitationStore(self.pool),
+            on_written=on_written,
+            timeout_s=self.settings.direct_search_timeout_s,
+        )
 
     def searcher(self) -> SearchWithDirect:
         """Hybrid retrieval over the indexed connections, with the RAG-off connections in scope searched
@@ -136,6 +165,32 @@ def create_reranker(settings: Settings) -> Reranker | None:
     return DashScopeReranker(key.get_secret_value(), model=settings.reranker_model, base_url=host)
 
 
+# Setting any of these makes the operator's fusion serve every embedding space without one of its own.
+_FUSION_SETTINGS = frozenset({"fusion", "fusion_alpha", "rrf_k", "rrf_vector_weight", "rrf_keyword_weight"})
+
+
+def chosen_fusion(settings: Settings) -> RrfFusion | ConvexFusion | None:
+    """The fusion the operator set (any ``RAGSTREAM_FUSION*`` or ``RAGSTREAM_RRF_*``), which then serves
+    every space without a fusion of its own; None when nothing was set."""
+    if not settings.model_fields_set & _FUSION_SETTINGS:
+        return None
+    if settings.fusion == "rrf":
+        return RrfFusion(
+            k=settings.rrf_k, vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
+        )
+    return ConvexFusion(alpha=settings.fusion_alpha)
+
+
+def create_contextualizer(settings: Settings, pool: asyncpg.Pool) -> ChunkContextualizer | None:
+    """The configured contextual retrieval, or ``None`` for ``RAGSTREAM_CONTEXTUAL_RETRIEVAL=none``."""
+    key = settings.dashscope_key()
+    if settings.contextual_retrieval == "none" or key is None:  # the settings validator rejects no key
+        return None
+    host = (settings.dashscope_host() or DASHSCOPE_BASE_URL).rstrip("/")
+    chat = ChatClient(key.get_secret_value(), settings.contextual_model, f"{host}/compatible-mode/v1", timeout_s=30.0)
+    return ChunkContextualizer(chat, ChunkContextStore(pool), document_chars=settings.contextual_document_chars)
+
+
 def create_rephraser(settings: Settings) -> QueryRephraser | None:
     """The configured query rephraser, or ``None`` for ``RAGSTREAM_REPHRASER=none``."""
     key = settings.dashscope_key()
@@ -160,10 +215,12 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
     spaces = ActiveSpace(SpaceStore(pool), settings.embedding, embedder)
     reranker: Reranker | None = None
     rephraser: QueryRephraser | None = None
+    contextualizer: ChunkContextualizer | None = None
     try:
         await spaces.activate()
         reranker = create_reranker(settings)
         rephraser = create_rephraser(settings)
+        contextualizer = create_contextualizer(settings, pool)
         store = DocumentStore(pool)
         chunking = settings.chunking
         yield Runtime(
@@ -181,7 +238,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 MarkdownChunking(size=chunking.size, overlap=chunking.overlap),
                 chunking.batch_chunks,
             ),
-            embed=EmbedService(embedder, spaces),
+            embed=EmbedService(embedder, spaces, contextualizer),
             indexer=IndexService(store),
             retriever=HybridRetriever(
                 SearchStore(
@@ -194,20 +251,15 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                 ),
                 embedder,
                 CitationStore(pool),
-                settings=RetrievalSettings(
-                    fusion=settings.fusion,
-                    convex_alpha=settings.fusion_alpha,
-                    rrf_k=settings.rrf_k,
-                    vector_weight=settings.rrf_vector_weight,
-                    keyword_weight=settings.rrf_keyword_weight,
-                ),
+                settings=RetrievalSettings(fusion=chosen_fusion(settings)),
                 reranker=reranker,
                 rephraser=rephraser,
                 spaces=spaces,
             ),
+            contextualizer=contextualizer,
         )
     finally:
-        for client in (rephraser, reranker):
+        for client in (rephraser, reranker, contextualizer):
             if client is not None:
                 await client.aclose()
         await spaces.aclose()

@@ -27,6 +27,7 @@ from ragstream.faults import crash_point
 from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
 from ragstream.messages import DeadLetter, DocumentHeader, Topic
 from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY
+from ragstream.poison import PoisonGuard
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 
@@ -37,12 +38,18 @@ _REDELIVERY_PAUSE_S = 1.0
 
 # Errors of the machinery around a document, not of the document: the message is not acked and is
 # delivered again once PostgreSQL or Kafka is back, instead of being recorded as a failed document.
+# A PostgreSQL restart terminates every session (AdminShutdownError, 57P01; CrashShutdownError after
+# another backend crashed), and a connection cut mid-query can leave asyncpg's protocol in a state
+# it reports as InternalClientError: none of them says anything about the document.
 INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
     asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
     KafkaError,
 )
 
@@ -93,7 +100,13 @@ class ServiceContext:
             await asyncio.sleep(_REDELIVERY_PAUSE_S)
             raise error
         failure = classify(error)
-        recorded = await record_failure(self.runtime.store, header, step, failure)
+        retry_count = 0
+        try:
+            retry_count = (await record_failure(self.runtime.store, header, step, failure)).retry_count
+        except asyncpg.ForeignKeyViolationError:
+            # Its connection was deleted while the document was in flight: no row can name it, and
+            # raising would redeliver the message forever. The dead letter still tells.
+            logger.warning("document %s of deleted connection %s", header.source, header.connection_id)
         logger.warning("document %s failed at %s: %s", header.source, step, failure.code)
         dead = DeadLetter(
             header=header,
@@ -101,7 +114,7 @@ class ServiceContext:
             code=failure.code,
             message=failure.message,
             retryable=failure.retryable,
-            retry_count=recorded.retry_count,
+            retry_count=retry_count,
         )
         await self.publish(Topic.DEAD_LETTER, dead, header.document_id)
 
@@ -127,6 +140,7 @@ def create_service_app(
     """Build the ASGI app of one service: ``uvicorn module:create_app --factory`` serves it."""
     config = settings or Settings()
     broker = create_broker(config.kafka_bootstrap_servers, name)
+    broker.add_middleware(PoisonGuard)  # innermost: a message reaches a handler only once it decodes
     register(broker, consumer_options(config, name))
     ready = {"value": False}
 

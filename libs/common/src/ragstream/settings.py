@@ -267,7 +267,8 @@ class Settings(BaseSettings):
         ),
     ] = 24
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
-    # Defaults tuned on InsuranceQA v2 `valid`, English and Chinese together (docs/retrieval-quality.md).
+    # Set any of these five and they serve every embedding space; unset, a space fuses with its stored
+    # or measured weights (retrieval/fusion.py), and these defaults (the USE tuning) serve the rest.
     fusion: Annotated[
         Literal["rrf", "convex"],
         Field(
@@ -319,6 +320,24 @@ class Settings(BaseSettings):
         ),
     ] = "none"
     rephraser_model: Annotated[str, Field(title="Chat model of the rephraser")] = "qwen-plus"
+    contextual_retrieval: Annotated[
+        Literal["none", "dashscope"],
+        Field(
+            title="Contextual retrieval",
+            description="`dashscope`: a chat model writes one line placing each chunk in its document, prepended to "
+            "the text the embedder sees (cached per chunk, so unchanged chunks never ask again).",
+        ),
+    ] = "none"
+    contextual_model: Annotated[str, Field(title="Chat model of contextual retrieval")] = "qwen-plus"
+    contextual_document_chars: Annotated[
+        int,
+        Field(
+            title="Document text shown with each chunk",
+            description="The chat model sees the title and up to this many characters of the chunk's batch.",
+            ge=500,
+            le=100_000,
+        ),
+    ] = 8000
     dashscope_api_key: Annotated[
         SecretStr | None,
         Field(
@@ -468,9 +487,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _dashscope_key_when_needed(self) -> Settings:
         # Fail at start-up, not on the first search that would quietly fall back.
-        if "dashscope" in (self.reranker, self.rephraser) and self.dashscope_key() is None:
+        if "dashscope" in (self.reranker, self.rephraser, self.contextual_retrieval) and self.dashscope_key() is None:
             raise ValueError(
-                "RAGSTREAM_RERANKER/RAGSTREAM_REPHRASER=dashscope need RAGSTREAM_DASHSCOPE_API_KEY "
+                "RAGSTREAM_RERANKER/RAGSTREAM_REPHRASER/RAGSTREAM_CONTEXTUAL_RETRIEVAL=dashscope need "
+                "RAGSTREAM_DASHSCOPE_API_KEY "
                 "(or a dashscope embedder with RAGSTREAM_EMBEDDER_API_KEY)"
             )
         return self

@@ -1,5 +1,6 @@
-"""retriever service: ``POST /v1/search`` (vector + keyword, fused) and ``GET /v1/documents/{id}``, with
-health, readiness and metrics; the same search over gRPC on ``RAGSTREAM_GRPC_PORT``."""
+"""retriever service: ``POST /v1/search`` (vector + keyword, fused), ``GET /v1/documents/{id}`` and the
+knowledge tool's read-side actions (``POST /v1/knowledge``), with health, readiness and metrics; the
+same search and knowledge tool over gRPC on ``RAGSTREAM_GRPC_PORT``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ragstream.api.admission import SearchAdmission
 from ragstream.api.auth import Access
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
+from ragstream.api.knowledge import knowledge_router
+from ragstream.knowledge.service import KnowledgeService
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime, open_runtime
@@ -19,6 +22,7 @@ from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import ping
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.telemetry import tracer_provider
 
 __all__ = ["create_app"]
 
@@ -26,10 +30,12 @@ __all__ = ["create_app"]
 def create_app() -> FastAPI:
     """Refuses to build without ``RAGSTREAM_API_KEYS`` unless ``RAGSTREAM_AUTH=none``."""
     settings = Settings()
+    tracer_provider("retriever")  # HTTP spans, exported over OTLP when an endpoint is set
     access = Access.for_service(settings, "retriever")
     state: dict[str, Runtime] = {}
     readers: dict[str, DocumentReader] = {}
     searchers: dict[str, SearchWithDirect] = {}
+    tools: dict[str, KnowledgeService] = {}
 
     admission = SearchAdmission.from_settings(settings)
 
@@ -44,6 +50,8 @@ def create_app() -> FastAPI:
         lambda: searchers.get("searcher"),
         ready=ready,
         reader=lambda: readers.get("reader"),
+        # Search, read and list_documents; writes belong to the control plane, which starts the sync.
+        routers=[knowledge_router(lambda: tools.get("knowledge"), admission=admission)],
         access=access,
         max_request_bytes=settings.max_request_bytes,
         admission=admission,
@@ -62,12 +70,15 @@ def create_app() -> FastAPI:
             stack.push_async_callback(searcher.aclose)
             stack.callback(searchers.clear)
             readers["reader"] = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
+            tools["knowledge"] = runtime.knowledge(lambda: searcher)
             stack.callback(state.clear)
             stack.callback(readers.clear)
+            stack.callback(tools.clear)
             if settings.grpc_port:
                 await stack.enter_async_context(
                     grpc_server(
                         lambda: searcher,
+                        knowledge=lambda: tools.get("knowledge"),
                         host=settings.grpc_host,
                         port=settings.grpc_port,
                         ready=ready,

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ragstream.settings import ApiKeys, Role
+from ragstream.telemetry import TracingMiddleware
 
 if TYPE_CHECKING:
     from ragstream.settings import Settings
@@ -289,6 +290,8 @@ def protect(app: FastAPI, access: Access, *, max_request_bytes: int) -> None:
     # The last added middleware runs first: keys are checked before any body is read.
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(ApiGuard, access=access)
+    # Outermost: a refused call is traced too (exported over OTLP when an endpoint is configured).
+    app.add_middleware(TracingMiddleware)
 
 
 def caller_of(request: Request) -> Caller:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -25,6 +26,9 @@ from typing_extensions import override
 
 from ragstream.api.admission import Overloaded, SearchAdmission
 from ragstream.api.auth import Access, Caller
+from ragstream.api.knowledge import parse_knowledge_request
+from ragstream.knowledge.models import ErrorCode, KnowledgeError, KnowledgeResponse
+from ragstream.knowledge.service import KnowledgeAction, KnowledgeService
 from ragstream.metrics import SEARCH_LATENCY
 from ragstream.retrieval.models import MetadataValue, SearchRequest, SearchResponse
 from ragstream.settings import Role
@@ -40,6 +44,8 @@ __all__ = [
     "RetrievalServicer",
     "Searcher",
     "grpc_server",
+    "knowledge_request",
+    "knowledge_response",
     "search_request",
     "search_response",
 ]
@@ -80,18 +86,25 @@ def _metadata_value(key: str, value: retrieval_pb2.MetadataValue) -> MetadataVal
     return result
 
 
+def _filters(filters: retrieval_pb2.SearchFilters) -> dict[str, Any]:
+    return {
+        **{name: list(getattr(filters, name).values) for name in _LISTS if filters.HasField(name)},
+        "metadata": {key: _metadata_value(key, value) for key, value in filters.metadata.items()} or None,
+    }
+
+
+def _history(turns: Sequence[retrieval_pb2.ChatTurn]) -> list[dict[str, Any]]:
+    # An unknown role becomes None, which the model rejects with the turn's position.
+    return [{"role": _ROLES.get(turn.role), "content": turn.content} for turn in turns]
+
+
 def search_request(message: retrieval_pb2.SearchRequest) -> SearchRequest:
     """The HTTP model of ``message``: unset optional fields stay unset, so the model's defaults apply.
     Raises :class:`InvalidRequest` when the model rejects it."""
-    filters = message.filters
     fields: dict[str, Any] = {
         "query": message.query,
-        "filters": {
-            **{name: list(getattr(filters, name).values) for name in _LISTS if filters.HasField(name)},
-            "metadata": {key: _metadata_value(key, value) for key, value in filters.metadata.items()} or None,
-        },
-        # An unknown role becomes None, which the model rejects with the turn's position.
-        "history": [{"role": _ROLES.get(turn.role), "content": turn.content} for turn in message.history],
+        "filters": _filters(message.filters),
+        "history": _history(message.history),
     }
     if message.HasField("top_k"):
         fields["top_k"] = message.top_k
@@ -99,6 +112,10 @@ def search_request(message: retrieval_pb2.SearchRequest) -> SearchRequest:
         fields["conversation_id"] = message.conversation_id
     if message.HasField("principal"):
         fields["principal"] = {"user": message.principal.user, "groups": list(message.principal.groups)}
+    if message.user_context:
+        fields["user_context"] = dict(message.user_context)
+    if message.HasField("rephrase"):
+        fields["rephrase"] = message.rephrase
     try:
         return SearchRequest.model_validate(fields)
     except ValidationError as error:
@@ -119,7 +136,77 @@ def search_response(response: SearchResponse) -> retrieval_pb2.SearchResponse:
         embedding_spaces=response.embedding_spaces,
         degraded=[retrieval_pb2.DegradedPlatform(**entry.model_dump()) for entry in response.degraded],
         took_ms=response.took_ms,
+        rephrase_outcome=response.rephrase_outcome,
+        reply=response.reply,
     )
+
+
+_KnowledgeField = Literal[
+    "platform",
+    "connection_id",
+    "conversation_id",
+    "query",
+    "top_k",
+    "document_id",
+    "knowledge_base_id",
+    "folder_id",
+    "cursor",
+    "limit",
+    "knowledge_base",
+    "title",
+    "body",
+    "shorten",
+]
+_KNOWLEDGE_OPTIONAL: tuple[_KnowledgeField, ...] = get_args(_KnowledgeField)
+
+
+def knowledge_request(message: retrieval_pb2.KnowledgeRequest) -> KnowledgeAction:
+    """The HTTP model of ``message`` (unset fields stay unset); :class:`InvalidRequest` when the
+    model rejects it."""
+    fields: dict[str, Any] = {"action": message.action}
+    fields.update({name: getattr(message, name) for name in _KNOWLEDGE_OPTIONAL if message.HasField(name)})
+    if message.HasField("principal"):
+        fields["principal"] = {"user": message.principal.user, "groups": list(message.principal.groups)}
+    if message.HasField("filters"):
+        fields["filters"] = _filters(message.filters)
+    if message.history:
+        fields["history"] = _history(message.history)
+    try:
+        return parse_knowledge_request(fields)
+    except ValueError as error:
+        raise InvalidRequest(str(error)) from None
+
+
+def knowledge_response(response: KnowledgeResponse) -> retrieval_pb2.KnowledgeResponse:
+    """The reply message of ``response``: its one outcome, and the hint."""
+    message = retrieval_pb2.KnowledgeResponse(action=response.action, hint=response.hint)
+    if response.search is not None:
+        message.search.CopyFrom(search_response(response.search))
+    if response.read is not None:
+        read = response.read
+        message.read.CopyFrom(
+            retrieval_pb2.DocumentRead(**read.model_dump(exclude={"metadata"}), metadata_json=json.dumps(read.metadata))
+        )
+    if response.documents is not None:
+        listing = response.documents
+        message.documents.CopyFrom(
+            retrieval_pb2.DocumentList(
+                **listing.model_dump(exclude={"path", "entries"}),
+                path=[retrieval_pb2.FolderRef(**step.model_dump()) for step in listing.path],
+                entries=[retrieval_pb2.DocumentEntry(**entry.model_dump()) for entry in listing.entries],
+            )
+        )
+    if response.written is not None:
+        message.written.CopyFrom(retrieval_pb2.DocumentWritten(**response.written.model_dump()))
+    if response.error is not None:
+        message.error.CopyFrom(
+            retrieval_pb2.KnowledgeError(code=response.error.code.value, message=response.error.message)
+        )
+    return message
+
+
+def _knowledge_error(action: str, code: ErrorCode, message: str) -> retrieval_pb2.KnowledgeResponse:
+    return knowledge_response(KnowledgeResponse(action=action, error=KnowledgeError(code=code, message=message)))
 
 
 class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
@@ -128,9 +215,44 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
     limiter), a call beyond it is RESOURCE_EXHAUSTED; a database without a free connection in time
     is UNAVAILABLE. Both carry ``grpc-retry-pushback-ms``, like the HTTP API's Retry-After."""
 
-    def __init__(self, retriever: Callable[[], Searcher | None], admission: SearchAdmission | None = None) -> None:
+    def __init__(
+        self,
+        retriever: Callable[[], Searcher | None],
+        admission: SearchAdmission | None = None,
+        knowledge: Callable[[], KnowledgeService | None] | None = None,
+    ) -> None:
         self._retriever = retriever
         self._admission = admission
+        self._knowledge = knowledge
+
+    @override
+    async def Knowledge(
+        self, request: retrieval_pb2.KnowledgeRequest, context: Context
+    ) -> retrieval_pb2.KnowledgeResponse:
+        """Every outcome in the answer (see the proto); only a passed deadline is a status."""
+        try:
+            parsed = knowledge_request(request)
+        except InvalidRequest as error:
+            return _knowledge_error(request.action[:40], ErrorCode.INVALID_REQUEST, str(error))
+        service = self._knowledge() if self._knowledge is not None else None
+        if service is None:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
+            return _knowledge_error(parsed.action, ErrorCode.UNAVAILABLE, "the knowledge tool is not served yet")
+        admission = self._admission if parsed.action == "search" else None
+        deadline = asyncio.timeout(context.time_remaining())
+        try:
+            async with deadline, admission.admit() if admission is not None else contextlib.nullcontext():
+                response = await service.handle(parsed)
+        except Overloaded as error:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.retry_after_s * 1000)),))
+            return _knowledge_error(parsed.action, ErrorCode.UNAVAILABLE, "too many searches at once")
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the action finished")
+        if response.error is not None and response.error.code is ErrorCode.UNAVAILABLE:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
+        return knowledge_response(response)
 
     @override
     async def Search(self, request: retrieval_pb2.SearchRequest, context: Context) -> retrieval_pb2.SearchResponse:
@@ -199,7 +321,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
 
 
 def _asserts_principal(message: object) -> bool:
-    if isinstance(message, retrieval_pb2.SearchRequest):
+    if isinstance(message, (retrieval_pb2.SearchRequest, retrieval_pb2.KnowledgeRequest)):
         return message.HasField("principal")
     if isinstance(message, retrieval_pb2.SearchBatchRequest):
         return any(request.HasField("principal") for request in message.requests)
@@ -286,6 +408,7 @@ async def grpc_server(
     access: Access | None = None,
     max_receive_bytes: int = 1024 * 1024,
     admission: SearchAdmission | None = None,
+    knowledge: Callable[[], KnowledgeService | None] | None = None,
 ) -> AsyncIterator[int]:
     """Serve the Retrieval service, health checking and reflection on ``host:port`` (port 0: a free
     one) until the block exits, and yield the bound port. A port that cannot be bound raises.
@@ -294,14 +417,15 @@ async def grpc_server(
     ``/readyz``, so a Kubernetes ``grpc`` readiness probe means the same; it is NOT_SERVING during the
     ``grace_s`` in which calls in flight may finish. Calls go through ``access`` (none: every call
     allowed), and a message over ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED). Searches take a
-    turn from ``admission``, shared with the HTTP API."""
+    turn from ``admission``, shared with the HTTP API. ``knowledge`` serves the knowledge tool (its
+    getter answering None: every call ``unavailable``)."""
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start and silently take
     # a share of the calls (another `ragstream up` with another store). Off, binding it fails instead.
     server = grpc.aio.server(
         interceptors=[AccessInterceptor(access or Access.open())],
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_receive_bytes)],
     )
-    retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever, admission), server)
+    retrieval_pb2_grpc.add_RetrievalServicer_to_server(RetrievalServicer(retriever, admission, knowledge), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

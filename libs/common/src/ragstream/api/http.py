@@ -1,14 +1,13 @@
-"""FastAPI app: hybrid search, document reads, connections, health and readiness, Prometheus metrics, sync progress."""
+"""FastAPI app: hybrid search, document reads, the routers a process adds, health and readiness, Prometheus metrics."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict
-from typing import Annotated, Any
+from contextlib import AbstractAsyncContextManager
 
 import asyncpg
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -16,39 +15,39 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ragstream.api.admission import Overloaded, SearchAdmission
 from ragstream.api.auth import Access, check_principal, protect, search_route
+from ragstream.api.documents import documents_router
 from ragstream.metrics import SEARCH_LATENCY
-from ragstream.pipeline import SyncProgress
-from ragstream.retrieval import HybridRetriever, Principal, SearchRequest, SearchResponse
-from ragstream.retrieval.budget import MAX_CALL_CHARS
-from ragstream.retrieval.reader import DocumentRead, DocumentReader
+from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
+from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
-from ragstream.storable import Storable, StorableStr
 from ragstream.storage.database import DatabaseBusy, DatabaseUnavailable
 
 __all__ = ["create_app"]
 
 
 def create_app(
-    retriever: Callable[[], HybridRetriever | SearchWithDirect | None],
+    retriever: Callable[[], HybridRetriever | SearchWithDirect | None] | None,
     *,
     ready: Callable[[], Awaitable[bool]],
-    sync_progress: Callable[[], dict[str, SyncProgress]] | None = None,
     reader: Callable[[], DocumentReader | None] | None = None,
     routers: Sequence[APIRouter] = (),
     title: str = "ragstream retriever",
     access: Access | None = None,
     max_request_bytes: int = 1024 * 1024,
     admission: SearchAdmission | None = None,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
 ) -> FastAPI:
     """``retriever`` (and ``reader``, which adds ``GET /v1/documents/{id}``) are getters because the
     app starts before the store is open; until then search and reads answer 503 and readiness is false.
-    ``routers`` add the control plane where the process has one (connections, replays).
+    Without a ``retriever`` the app has no search (the connector-fetcher: search is the retriever's).
+    ``routers`` add the control plane where the process has one (see :mod:`ragstream.api.control_plane`).
     Every route is behind ``access`` (see :mod:`ragstream.api.auth`); without one, every call is
     allowed, as ``ragstream up`` on loopback without keys.
     ``admission`` limits the searches running and waiting (shared with the gRPC API); beyond it, and
     when the database gives no connection in time, a call answers 503 with ``Retry-After``.
-    ``ready`` raises (or answers false) when the database cannot serve: ``/readyz`` says why."""
-    app = FastAPI(title=title, version="1")
+    ``ready`` raises (or answers false) when the database cannot serve: ``/readyz`` says why.
+    ``lifespan`` opens and closes what the process needs around serving."""
+    app = FastAPI(title=title, version="1", lifespan=lifespan)
     protect(app, access or Access.open(), max_request_bytes=max_request_bytes)
     for router in routers:
         app.include_router(router)
@@ -72,16 +71,8 @@ def create_app(
             headers={"Retry-After": str(error.retry_after_s)},
         )
 
-    @app.post("/v1/search", response_model=SearchResponse)
-    @search_route
-    async def search(request: SearchRequest, http: Request) -> SearchResponse:
-        check_principal(http, request.principal is not None)
-        current = retriever()
-        if current is None:
-            raise HTTPException(status_code=503, detail="the index is still starting")
-        async with admission.admit() if admission is not None else contextlib.nullcontext():
-            with SEARCH_LATENCY.time():
-                return await current.search(request)
+    if retriever is not None:
+        app.include_router(_search_router(retriever, admission))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -105,59 +96,25 @@ def create_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     if reader is not None:
-        reader_of = reader
-
-        @app.get(
-            "/v1/documents/{document_id}",
-            response_model=DocumentRead,
-            responses={404: {"description": "No such document, or not one the caller may see (the same answer)"}},
-        )
-        @search_route
-        async def read_document(
-            http: Request,
-            document_id: StorableStr,
-            conversation_id: Annotated[
-                str | None,
-                Query(max_length=200, description="Keeps the citation number of earlier searches."),
-                Storable,
-            ] = None,
-            user: Annotated[
-                str | None, Query(min_length=1, description="Caller; without one, only unrestricted chunks."), Storable
-            ] = None,
-            groups: Annotated[
-                list[StorableStr], Query(description="Caller's groups: repeated or comma-separated.")
-            ] = [],  # noqa: B006
-            max_chars: Annotated[int, Query(ge=1, le=MAX_CALL_CHARS, description="Text budget.")] = MAX_CALL_CHARS,
-        ) -> DocumentRead:
-            """The document's text (chunks in order, cut to the budget) and its source-card fields,
-            under the same scope and permission rules as search."""
-            check_principal(http, user is not None)
-            current = reader_of()
-            if current is None:
-                raise HTTPException(status_code=503, detail="the index is still starting")
-            names = [name for value in groups for name in value.split(",") if name]
-            if names and user is None:
-                raise HTTPException(status_code=422, detail="groups need a user")
-            principal = Principal(user=user, groups=names) if user is not None else None
-            document = await current.read(document_id, principal, conversation_id=conversation_id, max_chars=max_chars)
-            if document is None:
-                raise HTTPException(status_code=404, detail="document not found")
-            return document
-
-    if sync_progress is not None:
-        progress_of = sync_progress
-
-        @app.get("/v1/syncs")
-        async def syncs() -> dict[str, Any]:
-            """Progress of the latest sync of each source: counts, rate in documents per second."""
-            return {
-                connection: {
-                    **asdict(progress),
-                    "done": progress.done,
-                    "failed": progress.failed,
-                    "rate": round(progress.rate, 2),
-                }
-                for connection, progress in progress_of().items()
-            }
+        app.include_router(documents_router(reader))
 
     return app
+
+
+def _search_router(
+    retriever: Callable[[], HybridRetriever | SearchWithDirect | None], admission: SearchAdmission | None
+) -> APIRouter:
+    router = APIRouter(tags=["search"])
+
+    @router.post("/v1/search", response_model=SearchResponse)
+    @search_route
+    async def search(request: SearchRequest, http: Request) -> SearchResponse:
+        check_principal(http, request.principal is not None)
+        current = retriever()
+        if current is None:
+            raise HTTPException(status_code=503, detail="the index is still starting")
+        async with admission.admit() if admission is not None else contextlib.nullcontext():
+            with SEARCH_LATENCY.time():
+                return await current.search(request)
+
+    return router

@@ -1,18 +1,35 @@
-"""HTTP routes of sync runs: start one (409 while one is active), list them, a connection's status."""
+"""HTTP routes of sync runs: start one (409 while one is active), list them, a connection's status;
+``/v1/syncs``: a folder synced by its path, and the live progress of this process's syncs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import asdict
 from datetime import datetime
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, Field
 
+from ragstream.connectors.folder import FolderConnector, FolderNotAllowed, confined_folder
+from ragstream.connectors.registry import register_folder
 from ragstream.control.runs import RagDisabled, RunStatus, SyncInProgress, SyncRun, SyncRunStore
+from ragstream.jobs.progress import SyncProgress
 from ragstream.storage.cursors import Direction
+from ragstream.storage.documents import DocumentStore
 
-__all__ = ["ConnectionSyncStatus", "SyncError", "SyncRunView", "sync_router"]
+__all__ = [
+    "ConnectionSyncStatus",
+    "FolderSyncRequest",
+    "FolderSyncStatus",
+    "LiveSync",
+    "SyncError",
+    "SyncRunView",
+    "folder_syncs_router",
+    "sync_router",
+]
 
 SyncError = Annotated[
     str | None,
@@ -167,5 +184,137 @@ def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[
             sync_error=sync_error,
             progress=SyncRunView.of(latest),
         )
+
+    return router
+
+
+class FolderSyncRequest(BaseModel):
+    path: Annotated[
+        str,
+        Field(
+            title="Folder to sync",
+            description="An absolute path inside RAGSTREAM_FOLDER_ROOTS, or one of the folders the process "
+            "syncs on its own (RAGSTREAM_FETCHER_FOLDERS, `ragstream up --source`).",
+        ),
+    ]
+
+
+class FolderSyncStatus(BaseModel):
+    connection_id: Annotated[str, Field(title="Connection id of the folder")]
+    state: Annotated[
+        Literal["syncing", "ready", "failed"],
+        Field(title="The latest run", description="syncing while queued or running; ready: all of it searchable."),
+    ]
+    counts: Annotated[dict[str, Any], Field(title="The latest run's counts", description="As in SyncRunView.")]
+    error: Annotated[str | None, Field(title="Why the latest run failed")] = None
+
+    @classmethod
+    def of(cls, run: SyncRun) -> FolderSyncStatus:
+        state: Literal["syncing", "ready", "failed"] = (
+            "ready" if run.status is RunStatus.READY else "failed" if run.status is RunStatus.FAILED else "syncing"
+        )
+        return cls(connection_id=run.connection_id, state=state, counts=asdict(run.counts), error=run.reason)
+
+
+class LiveSync(BaseModel):
+    listed: Annotated[int, Field(title="Items listed at the origin so far")]
+    unchanged: Annotated[int, Field(title="Listed items already indexed as they are")]
+    changed: Annotated[int, Field(title="New or changed items announced")]
+    indexed: Annotated[int, Field(title="Documents indexed")]
+    deleted: Annotated[int, Field(title="Documents deleted")]
+    failed_fetching: Annotated[int, Field(title="Documents that failed before they were announced")]
+    failed_processing: Annotated[int, Field(title="Documents that failed in chunk, embed or index")]
+    failed: Annotated[int, Field(title="Documents that failed")]
+    done: Annotated[int, Field(title="Unchanged, indexed or failed")]
+    chunks: Annotated[int, Field(title="Chunks committed")]
+    skipped: Annotated[dict[str, int], Field(title="Entries left out of the listing, by reason")]
+    listing_done: Annotated[bool, Field(title="The listing is complete", description="Until then listed grows.")]
+    direction: Annotated[Direction | None, Field(title="Which walk: backward (first, full) or forward")] = None
+    resumed: Annotated[bool, Field(title="Resumed an interrupted sync")] = False
+    rate: Annotated[float, Field(title="Documents per second")]
+    eta_seconds: Annotated[float | None, Field(title="Seconds left at the current rate")] = None
+
+    @classmethod
+    def of(cls, progress: SyncProgress) -> LiveSync:
+        return cls(
+            listed=progress.listed,
+            unchanged=progress.unchanged,
+            changed=progress.changed,
+            indexed=progress.indexed,
+            deleted=progress.deleted,
+            failed_fetching=progress.failed_fetching,
+            failed_processing=progress.failed_processing,
+            failed=progress.failed,
+            done=progress.done,
+            chunks=progress.chunks,
+            skipped=dict(progress.skipped),
+            listing_done=progress.listing_done,
+            direction=progress.direction,
+            resumed=progress.resumed,
+            rate=round(progress.rate, 2),
+            eta_seconds=progress.eta_seconds,
+        )
+
+
+def folder_syncs_router(
+    runs: SyncRunStore,
+    store: DocumentStore,
+    live: Callable[[], Mapping[str, SyncProgress]],
+    on_enqueued: Callable[[], None],
+    *,
+    folder_roots: Collection[Path],
+    own_folders: Collection[Path] = (),
+) -> APIRouter:
+    """``/v1/syncs``: sync a folder named by its path (registered as a ``folder`` connection, then a
+    queued run like any other, claimed by the runner that ``on_enqueued`` wakes), the latest run of a
+    connection, and ``live``: the progress of this process's runs, as they move."""
+    router = APIRouter(prefix="/v1/syncs", tags=["syncs"])
+
+    def allowed(folder: Path) -> Path:
+        """One of the process's own folders, or one inside the roots."""
+        if folder.resolve() in {own.resolve() for own in own_folders}:
+            return folder
+        return confined_folder(folder, list(folder_roots))
+
+    @router.get("", response_model=dict[str, LiveSync])
+    async def live_syncs() -> dict[str, LiveSync]:
+        """Progress of the latest sync this process ran of each connection: counts, rate and ETA."""
+        return {connection: LiveSync.of(progress) for connection, progress in live().items()}
+
+    @router.post(
+        "",
+        status_code=202,
+        response_model=FolderSyncStatus,
+        responses={
+            409: {"description": "Sync already in progress"},
+            422: {"description": "Not a folder the process may read"},
+        },
+    )
+    async def sync_folder(request: FolderSyncRequest) -> FolderSyncStatus:
+        """Queue a sync of a folder; follow it with ``GET /v1/syncs/{connection_id}``."""
+        try:
+            folder = await asyncio.to_thread(allowed, Path(request.path))
+            FolderConnector(folder)
+        except FolderNotAllowed as error:
+            raise HTTPException(status_code=422, detail=str(error)) from None
+        except NotADirectoryError:
+            detail = f"{request.path} is not a folder this process can read"
+            raise HTTPException(status_code=422, detail=detail) from None
+        connection_id = await register_folder(store, folder)
+        try:
+            run = await runs.start(connection_id, "api")
+        except (SyncInProgress, RagDisabled) as error:
+            raise HTTPException(status_code=409, detail=str(error)) from error
+        on_enqueued()
+        return FolderSyncStatus.of(run)
+
+    @router.get("/{connection_id}", response_model=FolderSyncStatus, responses={404: {"description": "Never synced"}})
+    async def latest_sync(connection_id: str) -> FolderSyncStatus:
+        """The connection's latest run: ``syncing`` until every change it announced is searchable."""
+        await runs.reap(connection_id)  # a run whose owner died shows failed, not syncing
+        latest = await runs.latest(connection_id)
+        if latest is None:
+            raise HTTPException(status_code=404, detail="no sync of that connection")
+        return FolderSyncStatus.of(latest)
 
     return router

@@ -67,6 +67,7 @@ SPACE_PATH = "/open-apis/wiki/v2/spaces/{space_id}"
 NODES_PATH = "/open-apis/wiki/v2/spaces/{space_id}/nodes"
 MARKDOWN_PATH = "/open-apis/docs/v1/content"
 RAW_CONTENT_PATH = "/open-apis/docx/v1/documents/{document_id}/raw_content"
+SEARCH_PATH = "/open-apis/search/v2/doc_wiki/search"
 
 #: The codes after which the official Go SDK fetches a new token and retries once (§2.1).
 TOKEN_INVALID_CODES = frozenset({99991671, 99991664, 99991663})
@@ -213,6 +214,21 @@ class FeishuClient:
             await self._get(RAW_CONTENT_PATH.format(document_id=document_id), {}, "content"), document_id
         )
 
+    async def search(
+        self, query: str, *, page_size: int, page_token: str | None = None, space_ids: list[str] | None = None
+    ) -> dict[str, Any]:
+        """One page of unified search (§2.4), the one Feishu search a tenant token may call: docs and
+        wiki pages, or only the wiki pages of ``space_ids``. ``data`` holds ``res_units``,
+        ``has_more`` and ``page_token``."""
+        body: dict[str, Any] = {"query": query, "page_size": page_size}
+        if space_ids:
+            body["wiki_filter"] = {"space_ids": space_ids}
+        else:
+            body["doc_filter"], body["wiki_filter"] = {}, {}
+        if page_token:
+            body["page_token"] = page_token
+        return await self._post(SEARCH_PATH, body, "wiki")
+
     @staticmethod
     def _content(data: dict[str, Any], document_id: str) -> str:
         content = data.get("content")
@@ -249,9 +265,20 @@ class FeishuClient:
         data = body.get("data")
         return data if isinstance(data, dict) else {}
 
-    async def _call_once(self, path: str, params: Mapping[str, str], group: str) -> dict[str, Any]:
+    async def _post(self, path: str, body: dict[str, Any], group: str) -> dict[str, Any]:
+        """``data`` of a successful POST, after the retries; raises ``FeishuError``."""
+        answer = await self._http.retrying(lambda: self._call_once(path, {}, group, body), path)
+        data = answer.get("data")
+        return data if isinstance(data, dict) else {}
+
+    async def _call_once(
+        self, path: str, params: Mapping[str, str], group: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         await self._http.pace(group)
-        response = await self._http.send("GET", path, params=params, auth=self._auth)
+        if body is None:
+            response = await self._http.send("GET", path, params=params, auth=self._auth)
+        else:
+            response = await self._http.send("POST", path, json=body, auth=self._auth)
         body = json_body(response)
         if response.is_success and body.get("code") == 0:
             return body
@@ -329,6 +356,32 @@ class FeishuConfig(BaseModel):
         return "https://www.larksuite.com" if "larksuite" in self.base_url else "https://www.feishu.cn"
 
 
+def connection_client(
+    connection_id: str,
+    config: Mapping[str, Any],
+    credentials: Mapping[str, SecretStr],
+    *,
+    platform: str = "feishu",
+    **client: Any,
+) -> tuple[FeishuClient, FeishuConfig]:
+    """The client and settings of a stored connection; ``ValueError`` (naming fields, never values of
+    secrets) when the config or credentials cannot make one. A ``lark`` connection defaults to the
+    Lark host. ``client``: FeishuClient options."""
+    missing = [field for field in ("app_id", "app_secret") if not credentials.get(field)]
+    if missing:
+        raise ValueError(f"{platform} connection {connection_id} needs credentials {', '.join(missing)}")
+    defaults = {"base_url": LARK_BASE_URL} if platform == "lark" else {}
+    try:
+        settings = FeishuConfig.model_validate({**defaults, **config})
+    except ValidationError as error:
+        fields = ", ".join(".".join(str(part) for part in item["loc"]) for item in error.errors())
+        raise ValueError(f"{platform} connection {connection_id}: invalid config ({fields})") from None
+    feishu = FeishuClient(
+        credentials["app_id"].get_secret_value(), credentials["app_secret"], base_url=settings.base_url, **client
+    )
+    return feishu, settings
+
+
 @dataclass(frozen=True, slots=True)
 class _Space:
     space_id: str
@@ -378,21 +431,8 @@ class FeishuConnector:
         platform: str = "feishu",
         **client: Any,
     ) -> FeishuConnector:
-        """Build from a stored connection; ``ValueError`` (naming fields, never values of secrets) when
-        the config or credentials cannot make one. A ``lark`` connection defaults to the Lark host.
-        ``client``: FeishuClient options (tests)."""
-        missing = [field for field in ("app_id", "app_secret") if not credentials.get(field)]
-        if missing:
-            raise ValueError(f"{platform} connection {connection_id} needs credentials {', '.join(missing)}")
-        defaults = {"base_url": LARK_BASE_URL} if platform == "lark" else {}
-        try:
-            settings = FeishuConfig.model_validate({**defaults, **config})
-        except ValidationError as error:
-            fields = ", ".join(".".join(str(part) for part in item["loc"]) for item in error.errors())
-            raise ValueError(f"{platform} connection {connection_id}: invalid config ({fields})") from None
-        feishu = FeishuClient(
-            credentials["app_id"].get_secret_value(), credentials["app_secret"], base_url=settings.base_url, **client
-        )
+        """Build from a stored connection (``connection_client``). ``client``: FeishuClient options (tests)."""
+        feishu, settings = connection_client(connection_id, config, credentials, platform=platform, **client)
         return cls(connection_id, name, feishu, settings, platform=platform)
 
     @property

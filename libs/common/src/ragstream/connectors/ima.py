@@ -215,6 +215,26 @@ class ImaClient:
         )
         return [item for item in data.get("knowledge_list") or [] if isinstance(item, dict)]
 
+    async def knowledge_page(
+        self, kb_id: str, *, folder_id: str | None = None, cursor: str = "", limit: int = PAGE_SIZE
+    ) -> dict[str, Any]:
+        """One cursor page of a base's root, or of ``folder_id``: ``knowledge_list``, ``next_cursor``,
+        ``is_end`` and ``current_path`` (the folders from the root down to this one)."""
+        body: dict[str, Any] = {"knowledge_base_id": kb_id, "cursor": cursor, "limit": limit}
+        if folder_id:
+            body["folder_id"] = folder_id
+        return await self._post(f"{WIKI}/get_knowledge_list", body, "wiki")
+
+    async def search_note(self, query: str, limit: int = PAGE_SIZE) -> list[dict[str, Any]]:
+        """The first page of the key owner's notes (notebooks, outside any base) matching ``query``.
+        ASSUMPTION: the fields of ``note/v1/search_note`` are undocumented; the body is ``{query,
+        cursor, limit}`` like the wiki searches, and the answer's list is ``note_list`` (read as
+        ``docs`` too), each item with a ``note_id`` (or ``doc_id``), ``title`` and a
+        ``highlight_content`` (or ``summary``) snippet."""
+        data = await self._post(f"{NOTES}/search_note", {"query": query, "cursor": "", "limit": limit}, "wiki")
+        items = data.get("note_list") or data.get("docs") or []
+        return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
     async def media_info(self, media_id: str) -> dict[str, Any]:
         return await self._post(f"{WIKI}/get_media_info", {"media_id": media_id}, "wiki")
 
@@ -281,6 +301,14 @@ class ImaConfig(BaseModel):
 
     base_url: str = Field(default=IMA_BASE_URL, description="ima.qq.com or a stand-in")
     knowledge_base_ids: list[str] | None = Field(default=None, description="Only these bases; unset: every base")
+    search_notes: bool | None = Field(
+        default=None,
+        description="Direct search also searches the key owner's notebooks (search_note), beside the bases;"
+        " unset: only when knowledge_base_ids is unset (a connection limited to some bases stays there)",
+    )
+
+    def searches_notes(self) -> bool:
+        return self.search_notes if self.search_notes is not None else self.knowledge_base_ids is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ __all__ = [
     "YuqueError",
     "YuqueLimits",
     "acl_for",
+    "doc_markdown",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,42 @@ class YuqueClient:
             params["scope"] = scope
         data = (await self._body("/search", params)).get("data")
         return [hit for hit in data if isinstance(hit, dict)] if isinstance(data, list) else []
+
+    async def create_doc(self, namespace: str, title: str, body: str) -> dict[str, Any]:
+        """``POST /repos/:namespace/docs`` with a Markdown ``body``; the created doc (its ``id``,
+        ``slug``). Not added to the TOC (the platform leaves that to ``PUT …/toc``)."""
+        payload = {"title": title, "body": body, "format": "markdown"}
+        return await self._write("POST", f"/repos/{namespace}/docs", payload)
+
+    async def update_doc(self, namespace: str, doc_id: str, body: str, *, title: str | None = None) -> dict[str, Any]:
+        """``PUT /repos/:namespace/docs/:id``: the body replaced in full (and the title, when given)."""
+        payload: dict[str, Any] = {"body": body, "format": "markdown"}
+        if title is not None:
+            payload["title"] = title
+        return await self._write("PUT", f"/repos/{namespace}/docs/{doc_id}", payload)
+
+    async def _write(self, method: str, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        async def once() -> dict[str, Any]:
+            # A create that timed out or failed on the server's side may still have happened: retried,
+            # it could make the doc twice. So a POST is retried only after a 429 (refused unprocessed).
+            await self._http.pace("api")
+            try:
+                response = await self._http.send(method, path, json=dict(payload))
+            except Transient as unsent:
+                if method == "POST":
+                    raise unsent.error from None
+                raise
+            if response.is_success:
+                return json_body(response)
+            failure = self._failure(path, response)
+            if method == "POST" and isinstance(failure, Transient) and response.status_code != 429:
+                raise failure.error
+            raise failure
+
+        data = (await self._http.retrying(once, path)).get("data")
+        if not isinstance(data, dict) or data.get("id") is None:
+            raise YuqueError(f"{path}: the answer has no doc", retryable=False)
+        return data
 
     async def _pages(self, path: str, params: Mapping[str, str]) -> AsyncIterator[dict[str, Any]]:
         """Every item: ``offset`` moves by the page's length until ``meta.total`` (when the list has
@@ -370,7 +407,7 @@ class YuqueConnector:
                 ) from None
             code = "platform_unavailable" if error.retryable else "platform_error"
             raise DocumentUnreadable(code, str(error), retryable=error.retryable) from None
-        body = await _markdown(doc)
+        body = await doc_markdown(doc)
         return f"# {item.title}\n\n{body}".encode()
 
 
@@ -391,7 +428,7 @@ def _toc_paths(toc: list[dict[str, Any]]) -> dict[int, list[str]]:
     return paths
 
 
-async def _markdown(doc: Mapping[str, Any]) -> str:
+async def doc_markdown(doc: Mapping[str, Any]) -> str:
     """The doc's Markdown: ``body``, else ``body_html`` or ``body_lake`` converted."""
     for key in ("body", "body_html", "body_lake"):
         text = doc.get(key)

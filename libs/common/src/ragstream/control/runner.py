@@ -1,7 +1,6 @@
-"""Runs claimed sync runs through the embedded pipeline and writes their progress back.
+"""Runs claimed sync runs through a sync job (over either transport) and writes their progress back.
 
-``RunExecution`` is the part the connector-fetcher shares: how a run this process owns is executed,
-its progress written, stopped when failed elsewhere, and ended.
+``ragstream up`` and the connector-fetcher both run this one runner: only the job's transport differs.
 
 A run never stays ``syncing`` because of this process: every exception, and a shutdown, ends it
 ``failed`` with a reason. The heartbeat only moves when the counters move, so a sync that hangs
@@ -14,15 +13,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ragstream.connectors.registry import NoConnector, connector_for
 from ragstream.control.runs import CONNECTION_ERRORS, RunCounts, RunStatus, SyncRun, SyncRunStore
 from ragstream.degradation import EmbeddingDegraded
-from ragstream.pipeline import EmbeddedPipeline, SyncProgress, SyncReport
+from ragstream.jobs.progress import SyncProgress
+from ragstream.jobs.sync import SyncJob, SyncReport
 
-__all__ = ["RunExecution", "RunOutcome", "RunProgress", "SyncRunner", "failure_reason"]
+__all__ = ["RunExecution", "RunOutcome", "SyncRunner", "failure_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,50 +42,17 @@ def failure_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
 
 
-def _counts(progress: SyncProgress) -> RunCounts:
-    return RunCounts(
-        listed=progress.listed,
-        unchanged=progress.unchanged,
-        changed=progress.changed,
-        indexed=progress.indexed,
-        deleted=progress.deleted,
-        failed=progress.failed,
-        chunks=progress.chunks,
-        listing_done=progress.listing_done,
-        direction=progress.direction,
-        resumed=progress.resumed,
-        skipped=sum(progress.skipped.values()),
-    )
-
-
-def _eta(progress: SyncProgress) -> float | None:
-    """Seconds left at the current rate; unknown until something has been processed."""
-    rate = progress.rate
-    return max(progress.listed - progress.done, 0) / rate if rate > 0 else None
-
-
 @dataclass(frozen=True, slots=True)
 class RunOutcome:
-    """How a run ended: its final row (None if it was failed as stale meanwhile) and the pipeline's
+    """How a run ended: its final row (None if it was failed as stale meanwhile) and the job's
     report (None when the sync did not complete)."""
 
     run: SyncRun | None
     report: SyncReport | None
 
 
-@dataclass(frozen=True, slots=True)
-class RunProgress:
-    """What one progress write of a run carries."""
-
-    counts: RunCounts = field(default_factory=RunCounts)
-    rate: float | None = None
-    eta_seconds: float | None = None
-
-
 class RunExecution:
-    """One claimed (syncing) run that this process executes, to ready or failed: shared by the
-    embedded runner and the connector-fetcher, whose work differs (a pipeline sync; a fetch that then
-    waits for the Kafka stages) but whose run must end the same way.
+    """One claimed (syncing) run that this process executes, to ready or failed.
 
     The work publishes its latest ``progress``; every ``progress_interval_s`` it is written, the
     heartbeat moving only when the counts did (so a hung sync goes stale). A lost write is not worth
@@ -96,15 +63,15 @@ class RunExecution:
 
     def __init__(self, runs: SyncRunStore, run: SyncRun, *, progress_interval_s: float) -> None:
         self.run = run
-        self.progress = RunProgress()
+        self.progress = SyncProgress()
         self._runs = runs
         self._interval_s = progress_interval_s
         self._abandoned = False
 
     async def execute(
-        self, work: Coroutine[Any, Any, _Result], final: Callable[[_Result], RunProgress]
+        self, work: Coroutine[Any, Any, _Result], final: Callable[[_Result], SyncProgress]
     ) -> tuple[SyncRun | None, _Result | None]:
-        """Run ``work`` as this run; ``final`` gives the counts of a run that completed. Returns the
+        """Run ``work`` as this run; ``final`` gives the progress of a run that completed. Returns the
         finished row (None when the run was failed elsewhere) and the work's result (None unless it
         completed)."""
         run = self.run
@@ -126,7 +93,11 @@ class RunExecution:
         except asyncio.CancelledError:
             with contextlib.suppress(*CONNECTION_ERRORS):  # the database is gone too: reap fails the run
                 await self._runs.finish(
-                    run.id, RunStatus.FAILED, "cancelled: the process stopped", self.progress.counts, self.progress.rate
+                    run.id,
+                    RunStatus.FAILED,
+                    "cancelled: the process stopped",
+                    self.progress.run_counts(),
+                    self.progress.rate,
                 )
             raise
         except Exception as error:  # any failure ends the run failed, with its reason, never syncing
@@ -134,14 +105,14 @@ class RunExecution:
             return await self._finish(RunStatus.FAILED, failure_reason(error), self.progress), None
         return await self._finish(RunStatus.READY, None, final(result)), result
 
-    async def _finish(self, status: RunStatus, reason: str | None, progress: RunProgress) -> SyncRun | None:
+    async def _finish(self, status: RunStatus, reason: str | None, progress: SyncProgress) -> SyncRun | None:
         """End the run; while the database is unreachable (it failed the sync, maybe, and is being
         restarted), try again for ``_FINISH_PATIENCE_S``. Then give up: the run's owner session is
         gone with the database, so the next reap fails it as ownerless."""
         deadline = asyncio.get_running_loop().time() + _FINISH_PATIENCE_S
         while True:
             try:
-                return await self._runs.finish(self.run.id, status, reason, progress.counts, progress.rate)
+                return await self._runs.finish(self.run.id, status, reason, progress.run_counts(), progress.rate)
             except CONNECTION_ERRORS as error:
                 if asyncio.get_running_loop().time() > deadline:
                     logger.warning("sync run %s not finished, the database stays unreachable: %s", self.run.id, error)
@@ -154,9 +125,10 @@ class RunExecution:
         while True:
             await asyncio.sleep(self._interval_s)
             progress = self.progress
+            counts = progress.run_counts()
             try:
                 still_running = await self._runs.progress(
-                    self.run.id, progress.counts, progress.rate, progress.eta_seconds, moved=progress.counts != last
+                    self.run.id, counts, progress.rate, progress.eta_seconds, moved=counts != last
                 )
             except CONNECTION_ERRORS as error:
                 # A lost progress write is not worth failing the sync for; the next one catches up.
@@ -166,11 +138,7 @@ class RunExecution:
                 self._abandoned = True
                 work.cancel()
                 return
-            last = progress.counts
-
-
-def _run_progress(progress: SyncProgress, *, final: bool = False) -> RunProgress:
-    return RunProgress(_counts(progress), progress.rate, None if final else _eta(progress))
+            last = counts
 
 
 class SyncRunner:
@@ -179,14 +147,14 @@ class SyncRunner:
     def __init__(
         self,
         runs: SyncRunStore,
-        pipeline: Callable[[], EmbeddedPipeline],
+        job: Callable[[], SyncJob],
         *,
         max_concurrent: int = 2,
         progress_interval_s: float = 2.0,
         poll_interval_s: float = 5.0,
     ) -> None:
-        self._runs = runs
-        self._pipeline = pipeline
+        self.runs = runs
+        self._job = job
         self._max_concurrent = max_concurrent
         self._progress_interval_s = progress_interval_s
         self._poll_interval_s = poll_interval_s
@@ -218,9 +186,9 @@ class SyncRunner:
     async def claim_pending(self) -> list[asyncio.Task[RunOutcome]]:
         """Fail runs whose owner is gone or that went stale, then start every queued run a free slot
         allows, each in its own task."""
-        await self._runs.reap()
+        await self.runs.reap()
         started = []
-        while (run := await self._runs.claim(self._max_concurrent)) is not None:
+        while (run := await self.runs.claim(self._max_concurrent)) is not None:
             task = asyncio.create_task(self.execute(run))
             self._tasks.add(task)
             task.add_done_callback(self._finished)
@@ -235,21 +203,21 @@ class SyncRunner:
 
     async def execute(self, run: SyncRun, observe: Callable[[SyncProgress], None] | None = None) -> RunOutcome:
         """Run one claimed (syncing) run to ready or failed; ``observe`` also sees every update."""
-        execution = RunExecution(self._runs, run, progress_interval_s=self._progress_interval_s)
+        execution = RunExecution(self.runs, run, progress_interval_s=self._progress_interval_s)
 
         def notify(progress: SyncProgress) -> None:
-            execution.progress = _run_progress(progress)
+            execution.progress = progress
             self.live[run.connection_id] = progress
             if observe is not None:
                 observe(progress)
 
         async def sync() -> SyncReport:
-            row = await self._runs.connection(run.connection_id)
+            row = await self.runs.connection(run.connection_id)
             if row is None:
                 raise NoConnector(f"connection {run.connection_id} no longer exists")
-            return await self._pipeline().sync(connector_for(row), notify)
+            return await self._job().sync(connector_for(row), notify)
 
-        def final(report: SyncReport) -> RunProgress:
-            return _run_progress(report.progress, final=True)
+        def final(report: SyncReport) -> SyncProgress:
+            return report.progress
 
         return RunOutcome(*await execution.execute(sync(), final))

@@ -169,6 +169,8 @@ class Downstream:
     indexed: int
     failed: int
     chunks: int
+    # Of the failed: those that failed at the embed step (the degradation guard's sample in Kafka mode).
+    failed_embedding: int = 0
 
     def settled(self, announced: int) -> bool:
         """Every announced change is committed or failed for good."""
@@ -427,7 +429,9 @@ class SyncRunStore:
         row = await self._pool.fetchrow(
             "SELECT count(*) FILTER (WHERE committed) AS indexed,"
             " coalesce(sum(d.chunk_count) FILTER (WHERE committed), 0) AS chunks,"
-            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying) AS failed"
+            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying) AS failed,"
+            " count(*) FILTER (WHERE f.document_id IS NOT NULL AND NOT f.retrying AND f.step = 'embed')"
+            " AS failed_embedding"
             " FROM unnest($1::text[], $2::bigint[]) AS announced (id, version)"
             " LEFT JOIN documents d ON d.id = announced.id"
             " LEFT JOIN open_document_failures f ON f.document_id = announced.id AND f.version >= announced.version,"
@@ -437,7 +441,22 @@ class SyncRunStore:
             [version for _, version in announced],
         )
         assert row is not None
-        return Downstream(indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"])
+        return Downstream(
+            indexed=row["indexed"], failed=row["failed"], chunks=row["chunks"], failed_embedding=row["failed_embedding"]
+        )
+
+    async def deletions(self, announced: Sequence[tuple[str, int]]) -> tuple[int, int]:
+        """Of these announced deletions (``(document id, version)`` pairs): how many the indexer has
+        applied, and how many have settled (applied, or outranked by a newer version committed since)."""
+        row = await self._pool.fetchrow(
+            "SELECT count(*) FILTER (WHERE d.status = 'deleted') AS deleted, count(d.id) AS settled"
+            " FROM unnest($1::text[], $2::bigint[]) AS announced (id, version)"
+            " LEFT JOIN documents d ON d.id = announced.id AND d.version >= announced.version",
+            [document_id for document_id, _ in announced],
+            [version for _, version in announced],
+        )
+        assert row is not None
+        return int(row["deleted"]), int(row["settled"])
 
     async def sync_error(self, connection_id: str) -> str | None:
         """Why the latest sync failed, if it did, then the documents that did not index by code."""

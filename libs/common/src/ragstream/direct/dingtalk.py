@@ -18,7 +18,7 @@ from ragstream.connectors.dingtalk import DINGTALK_BASE_URL, DingTalkClient, Din
 from ragstream.direct.base import LiveHit
 from ragstream.vendor_http import RetryPolicy
 
-__all__ = ["DOCUMENT_URL", "DingTalkConfig", "DingTalkSearcher"]
+__all__ = ["DOCUMENT_URL", "DingTalkConfig", "DingTalkSearcher", "block_text"]
 
 #: Hits whose blocks are read for their text: each read is one more call inside the search's time.
 PREVIEW_READS = 5
@@ -98,11 +98,11 @@ class DingTalkSearcher:
             blocks = await self._client.blocks(uuid)
         except DingTalkError:
             return None
-        lines = [_block_text(block) for block in blocks]
+        lines = [block_text(block) for block in blocks]
         return "\n\n".join(line for line in lines if line) or None
 
 
-def _block_text(block: Mapping[str, Any]) -> str:
+def block_text(block: Mapping[str, Any]) -> str:
     for kind in ("paragraph", "heading"):
         part = block.get(kind)
         if isinstance(part, dict) and isinstance(part.get("text"), str):

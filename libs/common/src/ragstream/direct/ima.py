@@ -1,4 +1,5 @@
-"""IMA live search: ``search_knowledge`` in each knowledge base, its ``highlight_content`` as the text."""
+"""IMA live search: ``search_knowledge`` in each knowledge base and ``search_note`` in the key owner's
+notebooks, the ``highlight_content`` snippet as the text."""
 
 from __future__ import annotations
 
@@ -15,15 +16,22 @@ from ragstream.connectors.ima import ImaClient, ImaConfig
 from ragstream.direct.base import LiveHit
 from ragstream.vendor_http import RetryPolicy
 
-__all__ = ["ImaSearcher"]
+__all__ = ["NOTEBOOK", "NOTE_PREFIX", "ImaSearcher"]
 
 _TAG = re.compile(r"<[^>]{0,200}>")
 
 
+#: The knowledge base a notebook note (found by ``search_note``, in no base) is shown under.
+NOTEBOOK = "Notes"
+#: ``external_id`` prefix of a notebook note: ``note/<note_id>``.
+NOTE_PREFIX = "note/"
+
+
 class ImaSearcher:
     """Within the configured ``knowledge_base_ids``, else every base the key sees (listed on each
-    search); the bases are searched concurrently and their hits interleaved, best of each first. ACL:
-    None, as for indexed notes (the key owner's view is the connection's)."""
+    search), and the notebooks (``ImaConfig.searches_notes``); the bases and the notebooks are
+    searched concurrently and their hits interleaved, best of each first. ACL: None, as for indexed
+    notes (the key owner's view is the connection's)."""
 
     def __init__(self, client: ImaClient, settings: ImaConfig) -> None:
         self._client = client
@@ -55,11 +63,16 @@ class ImaSearcher:
 
     async def search(self, query: str, wanted: int) -> list[LiveHit]:
         bases = await self._bases()
-        found = await asyncio.gather(*(self._client.search_knowledge(query, kb_id) for kb_id, _ in bases))
+        searches = [self._client.search_knowledge(query, kb_id) for kb_id, _ in bases]
+        if self._settings.searches_notes():
+            searches.append(self._client.search_note(query, limit=min(max(wanted, 1), 50)))
+        found = await asyncio.gather(*searches)
         per_base = [
             [hit for item in items if (hit := _hit(kb_id, name, item)) is not None]
-            for (kb_id, name), items in zip(bases, found, strict=True)
+            for (kb_id, name), items in zip(bases, found, strict=False)
         ]
+        if self._settings.searches_notes():
+            per_base.append([hit for item in found[-1] if (hit := _note_hit(item)) is not None])
         interleaved = [hit for row in itertools.zip_longest(*per_base) for hit in row if hit is not None]
         return interleaved[:wanted]
 
@@ -81,3 +94,16 @@ def _hit(kb_id: str, knowledge_base: str, item: Mapping[str, Any]) -> LiveHit | 
     title = str(item.get("title") or media_id)
     snippet = " ".join(html.unescape(_TAG.sub("", str(item.get("highlight_content") or ""))).split())
     return LiveHit(external_id=f"{kb_id}/{media_id}", title=title, text=snippet or title, knowledge_base=knowledge_base)
+
+
+def _note_hit(item: Mapping[str, Any]) -> LiveHit | None:
+    note_id = item.get("note_id") or item.get("doc_id")
+    if not isinstance(note_id, str) or not note_id:
+        return None
+    title = str(item.get("title") or note_id)
+    snippet = " ".join(_snippet(item.get("highlight_content") or item.get("summary")).split())
+    return LiveHit(external_id=f"{NOTE_PREFIX}{note_id}", title=title, text=snippet or title, knowledge_base=NOTEBOOK)
+
+
+def _snippet(value: object) -> str:
+    return html.unescape(_TAG.sub("", str(value or "")))

@@ -9,6 +9,7 @@ from pydantic import SecretStr
 
 from ragstream.direct.base import PlatformSearcher
 from ragstream.direct.dingtalk import DingTalkSearcher
+from ragstream.direct.feishu import FeishuSearcher
 from ragstream.direct.ima import ImaSearcher
 from ragstream.direct.yuque import YuqueSearcher
 from ragstream.vendor_http import RetryPolicy
@@ -19,6 +20,8 @@ _Builder = Callable[..., PlatformSearcher]
 
 _BUILDERS: dict[str, _Builder] = {
     "dingtalk": DingTalkSearcher.from_connection,
+    "feishu": FeishuSearcher.from_connection,
+    "lark": FeishuSearcher.lark_from_connection,
     "yuque": YuqueSearcher.from_connection,
     "ima": ImaSearcher.from_connection,
 }

@@ -8,16 +8,111 @@ domain, tunable with a few queries. ``docs/retrieval-quality.md`` measures both 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ragstream.storage.search import Hit
 
-__all__ = ["RRF_K", "Fusion", "convex_fusion", "reciprocal_rank_fusion"]
+__all__ = [
+    "DEFAULT_FUSION",
+    "MEASURED_FUSION",
+    "RRF_K",
+    "ConvexFusion",
+    "Fusion",
+    "FusionConfig",
+    "FusionOrigin",
+    "RrfFusion",
+    "convex_fusion",
+    "effective_fusion",
+    "parse_fusion",
+    "reciprocal_rank_fusion",
+]
+
+logger = logging.getLogger(__name__)
 
 RRF_K = 60
 
 Fusion = Literal["rrf", "convex"]
+
+
+class RrfFusion(BaseModel):
+    """Reciprocal Rank Fusion of the two legs' rankings, each with its weight."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["rrf"] = "rrf"
+    k: Annotated[int, Field(title="RRF k", ge=1, le=1000)] = RRF_K
+    vector_weight: Annotated[float, Field(title="Weight of the vector leg", ge=0, le=100)] = 1.0
+    keyword_weight: Annotated[float, Field(title="Weight of the keyword leg", ge=0, le=100)] = 1.0
+    tuned_on: Annotated[str | None, Field(title="Where these weights were measured", max_length=500)] = None
+
+
+class ConvexFusion(BaseModel):
+    """A convex combination of the legs' normalised scores, ``alpha`` being the keyword leg's share."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["convex"] = "convex"
+    alpha: Annotated[float, Field(title="Keyword leg's share", ge=0, le=1)] = 0.6
+    tuned_on: Annotated[str | None, Field(title="Where this share was measured", max_length=500)] = None
+
+
+FusionConfig = Annotated[RrfFusion | ConvexFusion, Field(discriminator="kind")]
+"""How an embedding space's vector leg is fused with the keyword leg: stored with the space."""
+
+_FUSION = TypeAdapter[RrfFusion | ConvexFusion](FusionConfig)
+
+
+def parse_fusion(stored: object) -> RrfFusion | ConvexFusion:
+    """A fusion as stored in ``embedding_spaces.fusion`` (or sent by a caller)."""
+    return _FUSION.validate_python(stored)
+
+
+FusionOrigin = Literal["space", "operator", "measured", "default"]
+"""Where a space's effective fusion comes from: its own stored one, the operator's deployment-wide
+``RAGSTREAM_FUSION*``, the one measured for its model, or the default."""
+
+
+def effective_fusion(
+    model_key: str | None, stored: object, chosen: RrfFusion | ConvexFusion | None
+) -> tuple[RrfFusion | ConvexFusion, FusionOrigin]:
+    """The fusion a space's searches use, and why. A stored fusion this build cannot read is logged
+    and passed over: a search never fails for it."""
+    if stored is not None:
+        try:
+            return parse_fusion(stored), "space"
+        except ValidationError as error:
+            logger.warning("space %s has an unreadable fusion, passed over: %s", model_key, error)
+    if chosen is not None:
+        return chosen, "operator"
+    measured = MEASURED_FUSION.get(model_key) if model_key is not None else None
+    return (measured, "measured") if measured is not None else (DEFAULT_FUSION, "default")
+
+
+#: A space whose model was never measured, with no fusion of its own nor the operator's: the convex share
+#: tuned for the default embedder (the ``RAGSTREAM_FUSION*`` defaults).
+DEFAULT_FUSION = ConvexFusion(alpha=0.6)
+
+#: The fusion measured for each bundled model on InsuranceQA ``valid`` queries 1-500 (tuned) and checked on
+#: 501-1,000 (held out), docs/retrieval-quality.md: weights follow the embedder's strength, so a
+#: space of one of these models fuses with its own measured weights unless an operator set others.
+MEASURED_FUSION: dict[str, RrfFusion | ConvexFusion] = {
+    "use-multilingual-v3-512": ConvexFusion(
+        alpha=0.6, tuned_on="InsuranceQA valid 1-500, en and zh together; held out 501-1,000: en +0.011 over BM25"
+    ),
+    "bge-small-en-v1.5-384": RrfFusion(
+        k=5,
+        vector_weight=1.0,
+        keyword_weight=0.5,
+        tuned_on="InsuranceQA valid 1-500, en; held out 501-1,000: 0.4202 nDCG@10, +0.013 over the vector leg",
+    ),
+    "bge-small-zh-v1.5-512": ConvexFusion(
+        alpha=0.3, tuned_on="InsuranceQA valid 1-500, zh; held out 501-1,000: 0.2704 nDCG@10, +0.042 over BM25"
+    ),
+}
 
 
 def reciprocal_rank_fusion(

@@ -13,6 +13,7 @@ __all__ = [
     "DegradedPlatform",
     "MetadataValue",
     "Principal",
+    "RephraseOutcome",
     "ResultMode",
     "SearchFilters",
     "SearchRequest",
@@ -21,6 +22,9 @@ __all__ = [
 ]
 
 MetadataValue = StorableStr | int | float | bool
+
+RephraseOutcome = Literal["original", "chitchat", "rephrased", "enriched"]
+"""``original``: the raw question was searched (no rephraser, or it failed or changed nothing)."""
 
 ResultMode = Literal["rag", "direct"]
 """``rag``: a chunk of the local index; ``direct``: a live hit of a platform's own search."""
@@ -72,6 +76,22 @@ class SearchRequest(BaseModel):
     history: Annotated[
         list[ChatTurn], Field(title="Conversation so far", description="Used by the optional query rephraser.")
     ] = []
+    user_context: Annotated[
+        dict[Annotated[str, Field(max_length=64), Storable], Annotated[str, Field(max_length=500), Storable]],
+        Field(
+            title="Facts about the caller",
+            description="Department, team, location…: the optional rephraser completes an incomplete question from "
+            "them. Never used to filter.",
+            max_length=20,
+        ),
+    ] = {}
+    rephrase: Annotated[
+        bool,
+        Field(
+            title="Let the rephraser run",
+            description="False searches the query as it is (an agent that plans its own queries).",
+        ),
+    ] = True
 
 
 class SearchResult(BaseModel):
@@ -117,6 +137,17 @@ class DegradedPlatform(BaseModel):
 class SearchResponse(BaseModel):
     query: str
     rewritten_query: Annotated[str | None, Field(title="Standalone question the rephraser produced")] = None
+    rephrase_outcome: Annotated[
+        RephraseOutcome,
+        Field(
+            title="What the rephraser decided",
+            description="original: the query was searched as sent; rephrased: made standalone from the history; "
+            "enriched: completed from user_context; chitchat: answered by `reply`, nothing searched.",
+        ),
+    ] = "original"
+    reply: Annotated[
+        str | None, Field(title="Direct reply to chit-chat", description="Set only when rephrase_outcome is chitchat.")
+    ] = None
     results: list[SearchResult]
     reranked: Annotated[bool, Field(title="Whether a reranker ordered the results")] = False
     embedding_space: Annotated[

@@ -80,14 +80,16 @@ class DocumentReader:
         max_chars: int = MAX_CALL_CHARS,
     ) -> DocumentRead | None:
         """``None`` alike for a document that does not exist and one the caller may not see; a
-        number is assigned only to a document the caller could read, so numbering hints at nothing."""
+        number is assigned only to a document the caller could read, so numbering hints at nothing.
+        ``max_chars`` is the caller's budget: the HTTP route caps it at the call budget, the knowledge
+        tool's read asks for the whole document."""
         document = await self._store.read(document_id, principal)
         if document is None:
             return None
         number = 1
         if conversation_id:
             number = (await self._citations.assign(conversation_id, [document.document_id]))[document.document_id]
-        text, truncated = join_chunks(document.texts, min(max_chars, MAX_CALL_CHARS))
+        text, truncated = join_chunks(document.texts, max_chars)
         return DocumentRead(
             document_id=document.document_id,
             citation_index=number,

@@ -10,9 +10,16 @@ from dataclasses import dataclass
 from ragstream.embedding.base import Embedder, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
-from ragstream.retrieval.fusion import RRF_K, Fusion, convex_fusion, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import (
+    DEFAULT_FUSION,
+    ConvexFusion,
+    RrfFusion,
+    convex_fusion,
+    effective_fusion,
+    reciprocal_rank_fusion,
+)
 from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
-from ragstream.retrieval.rephrase import QueryRephraser
+from ragstream.retrieval.rephrase import QueryRephraser, Rephrasing
 from ragstream.retrieval.rerank import Reranker
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore
@@ -26,12 +33,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RetrievalSettings:
+    """``fusion``: the operator's choice for every space without a fusion of its own; None, each
+    space fuses with the weights measured for its model (``MEASURED_FUSION``), else ``DEFAULT_FUSION``."""
+
     leg_size: int = 30
-    fusion: Fusion = "convex"
-    convex_alpha: float = 0.6
-    rrf_k: int = RRF_K
-    vector_weight: float = 1.0
-    keyword_weight: float = 1.0
+    fusion: RrfFusion | ConvexFusion | None = None
     rerank_candidates: int = 30
     rerank_timeout_s: float = 5.0
     rephrase_timeout_s: float = 10.0
@@ -82,9 +88,20 @@ class HybridRetriever:
         self._reranker = reranker
         self._rephraser = rephraser
 
-    async def search(self, request: SearchRequest) -> SearchResponse:
+    async def search(self, request: SearchRequest, plan: Rephrasing | None = None) -> SearchResponse:
+        """Search ``request``; ``plan`` is the rephraser's decision when the caller already asked for it
+        (``plan``), else it is asked here. Chit-chat searches nothing and carries the reply."""
         started = time.perf_counter()
-        query = await self._standalone_query(request)
+        decided = plan if plan is not None else await self.plan(request)
+        if decided.outcome == "chitchat":
+            return SearchResponse(
+                query=request.query,
+                rephrase_outcome="chitchat",
+                reply=decided.reply,
+                results=[],
+                took_ms=round((time.perf_counter() - started) * 1000, 2),
+            )
+        query = decided.query
         # Both legs put their own two parameters first, so one clause serves both.
         scope = Scope.build(request.filters, request.principal, first_param=3)
         terms = query_terms(query)
@@ -97,6 +114,7 @@ class HybridRetriever:
         return SearchResponse(
             query=request.query,
             rewritten_query=query if query != request.query else None,
+            rephrase_outcome=decided.outcome,
             results=results,
             reranked=reranked,
             embedding_space=found.model_keys[0] if found.model_keys else None,
@@ -104,15 +122,20 @@ class HybridRetriever:
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
-    async def _standalone_query(self, request: SearchRequest) -> str:
-        if self._rephraser is None or not request.history:
-            return request.query
+    async def plan(self, request: SearchRequest) -> Rephrasing:
+        """What to search for ``request``: the rephraser's decision within its timeout, else the query
+        as sent (no rephraser, the caller opted out, or it failed: the raw question is still usable)."""
+        if self._rephraser is None or not request.rephrase:
+            return Rephrasing.original(request.query)
         try:
             async with asyncio.timeout(self._settings.rephrase_timeout_s):
-                return (await self._rephraser.rephrase(request.query, request.history)).strip() or request.query
-        except Exception as error:  # the raw question is still a usable query
+                decided = await self._rephraser.rephrase(request.query, request.history, request.user_context)
+        except Exception as error:
             logger.warning("query rephrasing failed, searching the raw query: %s", error)
-            return request.query
+            return Rephrasing.original(request.query)
+        if decided.outcome != "chitchat" and decided.query.strip() in ("", request.query):
+            return Rephrasing.original(request.query)
+        return decided
 
     async def _candidates(
         self, query: str, terms: list[str], scope: Scope, connection_ids: list[str] | None, wanted: int
@@ -123,8 +146,8 @@ class HybridRetriever:
         or two models of a connection, nor loses at the read-back a chunk its legs found.
 
         The snapshot says which spaces the connections in scope use; the query is embedded once per
-        model: from the start by the models the cache expects, by any other once the snapshot named
-        it, while the keyword leg runs.
+        model: before the snapshot by the models the cache expects, by any other once the snapshot
+        named it (after a re-index switch the cache had not seen), while the keyword leg runs.
 
         The cached layout is read before the snapshot, never in it: the snapshot holds the search's
         one pool connection, and a cache refresh needs another (with every connection held by a
@@ -133,6 +156,9 @@ class HybridRetriever:
         active = (await self._spaces.current()).model_key if self._spaces is not None else None
         embeddings = {embedder.model_key: asyncio.create_task(self._embed(embedder, query)) for embedder in expected}
         try:
+            # Embedded before the snapshot opens: a snapshot waiting on a slow embedder would sit idle in
+            # its transaction, holding its pool connection until the idle timeout ends it.
+            await asyncio.gather(*embeddings.values())
             async with self._store.snapshot() as store:
                 spaces = await self._searched_spaces(store, connection_ids, active)
                 for space in spaces:
@@ -150,7 +176,7 @@ class HybridRetriever:
                     for space in spaces
                 ]
                 vector = await self._vector_leg(store, legs)
-                fused = await self._fuse(store, legs, vector, keyword)
+                fused = await self._fuse(store, legs, vector, keyword, self._fusion_of(spaces))
                 records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
         finally:
             for task in embeddings.values():
@@ -177,8 +203,8 @@ class HybridRetriever:
         without ``spaces`` the embedder's own (none when nothing was ever embedded). ``cached_active``:
         the active space's model as the cache had it before the snapshot."""
         if self._spaces is None:
-            table = await store.embedding_table(self._embedder.model_key)
-            return [SearchedSpace(self._embedder.model_key, table, None, True)] if table is not None else []
+            own = await store.space(self._embedder.model_key)
+            return [own] if own is not None else []
         spaces = await store.searched_spaces(connection_ids)
         active = next((space for space in spaces if space.active), None)
         if active is not None and active.model_key != cached_active:
@@ -213,15 +239,26 @@ class HybridRetriever:
         hits = [hit for leg in legs for hit in await store.vector_leg(leg.table, leg.vector, size, leg.scope)]
         return sorted(hits, key=lambda hit: (-hit.score, hit.chunk_id))[:size] if len(legs) > 1 else hits
 
+    def _fusion_of(self, spaces: list[SearchedSpace]) -> RrfFusion | ConvexFusion:
+        """The effective fusion of the first space searched (the default space when it is one of them)."""
+        space = spaces[0] if spaces else None
+        if space is None:
+            return self._settings.fusion or DEFAULT_FUSION
+        return effective_fusion(space.model_key, space.fusion, self._settings.fusion)[0]
+
     async def _fuse(
-        self, store: SearchStore, legs: list[_Leg], vector: list[Hit], keyword: list[Hit]
+        self,
+        store: SearchStore,
+        legs: list[_Leg],
+        vector: list[Hit],
+        keyword: list[Hit],
+        fusion: RrfFusion | ConvexFusion,
     ) -> list[tuple[str, float]]:
-        settings = self._settings
-        if settings.fusion == "rrf":
+        if isinstance(fusion, RrfFusion):
             return reciprocal_rank_fusion(
                 [[hit.chunk_id for hit in vector], [hit.chunk_id for hit in keyword]],
-                weights=[settings.vector_weight, settings.keyword_weight],
-                k=settings.rrf_k,
+                weights=[fusion.vector_weight, fusion.keyword_weight],
+                k=fusion.k,
             )
         similarity: dict[str, float] = {}
         found = {hit.chunk_id for hit in vector}
@@ -230,7 +267,7 @@ class HybridRetriever:
             # Each chunk's similarity in its own connection's space: the leg's scope says whose.
             scope = leg.scope if leg.restricted else None
             similarity.update(await store.similarities(leg.table, leg.vector, missing, scope))
-        return convex_fusion(vector, keyword, alpha=settings.convex_alpha, similarity=similarity)
+        return convex_fusion(vector, keyword, alpha=fusion.alpha, similarity=similarity)
 
     async def _rerank(
         self, query: str, ranked: list[tuple[ChunkRecord, float]], top_k: int

@@ -42,10 +42,15 @@ class SearchWithDirect:
         await self._direct.aclose()
 
     async def search(self, request: SearchRequest) -> SearchResponse:
+        """The rephraser decides first, so chit-chat reaches no platform and the live searches ask the
+        same standalone question as the local legs."""
         started = time.perf_counter()
-        live_task = asyncio.create_task(self._direct.search(request))
+        plan = await self._retriever.plan(request)
+        if plan.outcome == "chitchat":
+            return await self._retriever.search(request, plan)
+        live_task = asyncio.create_task(self._direct.search(request.model_copy(update={"query": plan.query})))
         try:
-            local = await self._retriever.search(request)
+            local = await self._retriever.search(request, plan)
         except BaseException:
             live_task.cancel()
             await asyncio.gather(live_task, return_exceptions=True)

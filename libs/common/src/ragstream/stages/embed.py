@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from ragstream.contextual import ChunkContextualizer, EmbeddableChunk, TitledChunk
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.coalescing import CoalescingEmbedder, batch_limits
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentChunked, DocumentHeader, pack_vectors
 
-__all__ = ["EmbedService", "embedding_input", "embedding_text"]
+__all__ = ["EmbedService", "embedding_input", "embedding_inputs", "embedding_text"]
 
 
 def embedding_text(header: DocumentHeader, chunk: ChunkPayload) -> str:
@@ -16,15 +19,27 @@ def embedding_text(header: DocumentHeader, chunk: ChunkPayload) -> str:
     return embedding_input(header.title, chunk.heading, chunk.text)
 
 
-def embedding_input(title: str, heading: str, text: str) -> str:
-    """``embedding_text`` from stored columns: a re-index embeds exactly what ingest did.
+def embedding_input(title: str, heading: str, text: str, context: str = "") -> str:
+    """``embedding_text`` from stored columns: a re-index embeds exactly what ingest did. A contextual
+    retrieval line, when there is one, goes first.
 
     A heading path that starts with the title (a page's own heading, or the title the chunker gives the
-    text before the first heading) is the whole context: the title is not said twice."""
+    text before the first heading) is the whole path: the title is not said twice."""
     if title and (heading == title or heading.startswith(f"{title} > ")):
         title = ""
-    context = " > ".join(part for part in (title, heading) if part)
-    return f"{context}\n{text}" if context else text
+    path = " > ".join(part for part in (title, heading) if part)
+    body = f"{path}\n{text}" if path else text
+    return f"{context}\n{body}" if context else body
+
+
+async def embedding_inputs(chunks: Sequence[EmbeddableChunk], contextualizer: ChunkContextualizer | None) -> list[str]:
+    """What each chunk is embedded from, with its contextual-retrieval line when that is on: the one
+    rule ingest, re-chunk and re-index share."""
+    contexts = await contextualizer.contexts(chunks) if contextualizer is not None else [""] * len(chunks)
+    return [
+        embedding_input(chunk.title, chunk.heading, chunk.text, context)
+        for chunk, context in zip(chunks, contexts, strict=True)
+    ]
 
 
 class EmbedService:
@@ -39,11 +54,18 @@ class EmbedService:
         embedded = await EmbedService(embedder, spaces).run(chunked)   # -> ChunksEmbedded
     """
 
-    def __init__(self, embedder: Embedder, spaces: ActiveSpace | None = None) -> None:
+    def __init__(
+        self,
+        embedder: Embedder,
+        spaces: ActiveSpace | None = None,
+        contextualizer: ChunkContextualizer | None = None,
+    ) -> None:
         """With ``spaces``, each batch is embedded by its connection's model (pinned, else the active
-        space's; a re-index changes it); without, always by ``embedder``."""
+        space's; a re-index changes it); without, always by ``embedder``. With ``contextualizer``,
+        each chunk is embedded with its contextual-retrieval line."""
         self._embedder = embedder
         self._spaces = spaces
+        self._contextualizer = contextualizer
         self._coalescers: dict[str, CoalescingEmbedder] = {}
 
     def _shared(self, embedder: Embedder) -> Embedder:
@@ -61,8 +83,9 @@ class EmbedService:
             embedder = self._embedder
         else:
             embedder = (await self._spaces.for_connection(message.header.connection_id)).embedder
-        texts = [embedding_text(message.header, chunk) for chunk in message.chunks]
-        vectors = await self._shared(embedder).embed(texts)
+        title = message.header.title
+        chunks = [TitledChunk(title, chunk.heading, chunk.text) for chunk in message.chunks]
+        vectors = await self._shared(embedder).embed(await embedding_inputs(chunks, self._contextualizer))
         return ChunksEmbedded(
             header=message.header,
             batch_index=message.batch_index,

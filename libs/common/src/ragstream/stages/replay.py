@@ -49,6 +49,8 @@ class ReplayService:
         newest: dict[str, DocumentHeader] = {}
         for letter in [letter async for letter in letters]:
             header = letter.header
+            if header is None:  # a message no stage could read: nothing in it to re-drive
+                continue
             if connection_id is not None and header.connection_id != connection_id:
                 continue
             known = newest.get(header.document_id)

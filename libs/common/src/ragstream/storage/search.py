@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -15,6 +16,7 @@ import numpy as np
 
 from ragstream.embedding.base import Vectors
 from ragstream.storage.database import DatabaseBusy
+from ragstream.storage.postings import BM25_SCORE, Bm25Statistics, ImpactOrderedPostings
 from ragstream.storage.scope import Scope
 
 __all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore", "SearchedSpace"]
@@ -86,10 +88,7 @@ _BM25 = (
     counted AS (SELECT id, field, dl, tf, count(*) OVER (PARTITION BY field, lexeme)::float8 AS df FROM hits),
     p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avg_words}::float8 AS avg_words,
                  ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight)
-    SELECT id, sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
-                   * ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5)) * tf * (p.k1 + 1)
-                   / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
-               ) AS score
+    SELECT id, {score} AS score
     FROM counted, p
     GROUP BY id
     ORDER BY score DESC, id
@@ -130,6 +129,8 @@ class SearchedSpace:
     table: str
     spec: dict[str, Any] | None
     active: bool
+    # The space's own fusion weights (``embedding_spaces.fusion``), None when it has none.
+    fusion: dict[str, Any] | None = None
 
 
 # The effective spaces (pinned, else active) of the searchable connections in scope ($1: the scope's
@@ -141,11 +142,34 @@ _SEARCHED_SPACES = """
                                  (SELECT model_key FROM embedding_spaces WHERE status = 'active')) AS model_key
         FROM connections k
         WHERE k.status = 'active' AND k.rag_enabled AND ($1::text[] IS NULL OR k.id = ANY($1::text[])))
-    SELECT s.model_key, s.table_name, s.spec, s.status = 'active' AS active FROM embedding_spaces s
+    SELECT s.model_key, s.table_name, s.spec, s.fusion, s.status = 'active' AS active FROM embedding_spaces s
     WHERE s.model_key IN (SELECT model_key FROM effective)
        OR (s.status = 'active' AND NOT EXISTS (SELECT 1 FROM effective))
     ORDER BY s.status = 'active' DESC, s.model_key
 """
+
+
+def _scope_probe(scope: Scope, chunk_id: str = "ca.chunk_id") -> str:
+    """The chunk ``chunk_id`` if the scope lets it through, read by primary key: its chunk row, then its
+    document's, then its connection's, one index probe each.
+
+    The vector leg (and ``similarities``) joins its candidates to this subquery LATERALly, and each
+    LIMIT keeps the planner from flattening it into an ordinary join. Flattened, the join was planned
+    against the whole scope: on a freshly ingested corpus (no statistics yet, so every table looks
+    like one row) and whenever it believes a scope small, PostgreSQL read every visible chunk (all
+    documents of the connection, then all of their chunks) to keep the ``ef_search`` candidates: the leg cost
+    O(corpus) instead of O(ef_search) (docs/vector-leg.md, "What the vector leg cost")."""
+    return (
+        f"SELECT c.id FROM chunks c,"
+        " LATERAL (SELECT * FROM documents WHERE id = c.document_id LIMIT 1) AS d,"
+        " LATERAL (SELECT * FROM connections WHERE id = d.connection_id LIMIT 1) AS k"
+        f" WHERE c.id = {chunk_id} AND {scope.sql} LIMIT 1"
+    )
+
+
+def _jsonb(value: Any) -> Any:
+    """A jsonb column as Python (asyncpg hands jsonb over as text without a codec)."""
+    return json.loads(value) if isinstance(value, str) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +194,8 @@ class SearchStore:
     ``keyword_ranking`` orders the keyword leg by Okapi BM25 computed in SQL over words and CJK
     bigrams (``bm25_k1``, ``bm25_b``, ``bigram_weight``), or by PostgreSQL's ``ts_rank_cd`` over
     words (``"ts_rank"``). ``docs/retrieval-quality.md`` has the measurements behind the defaults.
+    ``impact_ordered``: BM25 reads the impact-ordered postings (``storage/postings.py``) where they
+    give the exact ranking, and scores every matching chunk otherwise; ``False`` always does the latter.
     """
 
     def __init__(
@@ -183,6 +209,8 @@ class SearchStore:
         bigram_weight: float = 0.5,
         stats_ttl_s: float = 300.0,
         statement_timeout_s: float | None = None,
+        impact_ordered: bool = True,
+        postings: ImpactOrderedPostings | None = None,
     ) -> None:
         if keyword_ranking not in ("bm25", "ts_rank"):
             raise ValueError(f"unknown keyword ranking {keyword_ranking!r}")
@@ -196,6 +224,11 @@ class SearchStore:
         self._stats_ttl_s = stats_ttl_s
         self._cache = _StatsCache()
         self._timeout_ms = round(statement_timeout_s * 1000) if statement_timeout_s else 0
+        self._impact_ordered = impact_ordered
+        self._postings = postings or ImpactOrderedPostings()
+        # How many BM25 searches each path answered (``postings``, or ``exact: <why>``), shared with
+        # the snapshots: what a benchmark reports next to its latencies.
+        self.keyword_paths: Counter[str] = Counter()
 
     @contextlib.asynccontextmanager
     async def snapshot(self) -> AsyncIterator[SearchStore]:
@@ -226,6 +259,10 @@ class SearchStore:
                 yield bound
         except (asyncpg.QueryCanceledError, asyncpg.IdleInTransactionSessionTimeoutError) as error:
             raise DatabaseBusy(f"a search statement ran past {self._timeout_ms} ms") from error
+        except (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError) as error:
+            # The server ended the snapshot's session (its idle timeout, a restart): the search may be
+            # asked again, like a busy database, rather than fail as an error of its own.
+            raise DatabaseBusy(f"the search's database session ended: {error}") from error
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[Any]:
@@ -238,18 +275,28 @@ class SearchStore:
                 yield self._db
 
     async def embedding_table(self, model_key: str) -> str | None:
-        value = await self._db.fetchval("SELECT table_name FROM embedding_spaces WHERE model_key = $1", model_key)
-        return str(value) if value is not None else None
+        space = await self.space(model_key)
+        return space.table if space is not None else None
+
+    async def space(self, model_key: str) -> SearchedSpace | None:
+        """The space of one model, whatever its role (``active`` says whether it is the default)."""
+        row = await self._db.fetchrow(
+            "SELECT table_name, spec, fusion, status = 'active' AS active FROM embedding_spaces WHERE model_key = $1",
+            model_key,
+        )
+        if row is None:
+            return None
+        spec, fusion = (
+            json.loads(value) if isinstance(value, str) else value for value in (row["spec"], row["fusion"])
+        )
+        return SearchedSpace(model_key, row["table_name"], spec, row["active"], fusion)
 
     async def searched_spaces(self, connection_ids: Sequence[str] | None) -> list[SearchedSpace]:
         """The spaces whose vector legs cover the connections in scope (``_SEARCHED_SPACES``)."""
         rows = await self._db.fetch(_SEARCHED_SPACES, list(connection_ids) if connection_ids is not None else None)
         return [
             SearchedSpace(
-                row["model_key"],
-                row["table_name"],
-                json.loads(row["spec"]) if isinstance(row["spec"], str) else row["spec"],
-                row["active"],
+                row["model_key"], row["table_name"], _jsonb(row["spec"]), row["active"], _jsonb(row["fusion"])
             )
             for row in rows
         ]
@@ -258,7 +305,9 @@ class SearchStore:
     # candidates, and only the share the scope lets through survives. So the leg measures that share
     # near the query, widens the scan to keep about ef_search visible candidates, and scans the scoped
     # rows exactly when no ef_search pgvector accepts would do (docs/vector-leg.md has the numbers).
-    _EF_MAX = 1000  # upper bound of hnsw.ef_search in pgvector 0.6
+    # pgvector 0.8's iterative index scans also fill a scope, but with a lower recall (0.74 to 0.97
+    # against 0.99 to 1.00 at 5 % and 20 % scopes), so this policy stays on pgvector 0.8 too.
+    _EF_MAX = 1000  # upper bound of hnsw.ef_search (pgvector 0.6 and 0.8)
     _EF_SLACK = 1.25  # a first scan within this factor of the ef_search it needed is kept
 
     async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[Hit]:
@@ -291,8 +340,7 @@ class SearchStore:
         row = await connection.fetchrow(
             f"WITH candidates AS MATERIALIZED (SELECT e.chunk_id, e.embedding <=> $1 AS distance FROM {table} e"
             f"  ORDER BY e.embedding <=> $1 LIMIT {ef}),"
-            f" visible AS (SELECT c.id, ca.distance FROM candidates ca JOIN chunks c ON c.id = ca.chunk_id"
-            f"  {scope.joins} WHERE {scope.sql})"
+            f" visible AS (SELECT v.id, ca.distance FROM candidates ca CROSS JOIN LATERAL ({_scope_probe(scope)}) AS v)"
             " SELECT (SELECT count(*) FROM candidates) AS seen, (SELECT count(*) FROM visible) AS visible,"
             " ARRAY(SELECT ROW(id, 1 - distance) FROM visible ORDER BY distance, id LIMIT $2) AS hits",
             vector,
@@ -329,7 +377,7 @@ class SearchStore:
         else:
             sql = (
                 f"SELECT e.chunk_id, 1 - (e.embedding <=> $1) AS score FROM {table} e"
-                f" JOIN chunks c ON c.id = e.chunk_id {scope.joins} WHERE e.chunk_id = ANY($2::text[]) AND {scope.sql}"
+                f" CROSS JOIN LATERAL ({_scope_probe(scope, 'e.chunk_id')}) AS v WHERE e.chunk_id = ANY($2::text[])"
             )
         rows = await self._db.fetch(
             sql,
@@ -374,15 +422,33 @@ class SearchStore:
         }
         first = 3 + len(scope.params)
         numbers = {name: first + offset for offset, name in enumerate(values)}
+        if self._impact_ordered:
+            path, found = await self._from_postings(terms, limit, scope, query, stats)
+            self.keyword_paths[path] += 1
+            if found is not None:
+                return [Hit(*hit) for hit in found]
         terms_sql = _BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
-            _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, **numbers),
+            _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers),
             list(terms),
             limit,
             *scope.params,
             *values.values(),
         )
         return [Hit(row["id"], row["score"]) for row in rows]
+
+    async def _from_postings(
+        self, terms: Sequence[str], limit: int, scope: Scope, query: str | None, stats: _CorpusStats
+    ) -> tuple[str, list[tuple[str, float]] | None]:
+        """The BM25 top-k read from the impact-ordered postings (``ImpactOrderedPostings``): the
+        path it took, and ``None`` when this query and scope need the exact scan."""
+        row = await self._db.fetchrow(
+            f"SELECT lexemes, bigrams FROM ({_BM25_TERMS.format(text=2)}) AS t", list(terms), query
+        )
+        assert row is not None
+        k1, b, bigram_weight = self._bm25
+        statistics = Bm25Statistics(k1, b, bigram_weight, stats.chunks, stats.average_words, stats.average_bigrams)
+        return await self._postings.top(self._db, row["lexemes"], row["bigrams"], limit, scope, statistics)
 
     async def _corpus_stats(self) -> _CorpusStats:
         """Number of chunks and average field lengths, at most ``stats_ttl_s`` old.

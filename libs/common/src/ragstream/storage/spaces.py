@@ -73,6 +73,8 @@ class EmbeddingSpace:
     table: str
     status: SpaceStatus
     spec: dict[str, Any] | None
+    # Its own fusion weights (``embedding_spaces.fusion``), None when it has none.
+    fusion: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +105,8 @@ class ReindexRun:
 
 
 def _space(row: asyncpg.Record) -> EmbeddingSpace:
-    spec = json.loads(row["spec"]) if isinstance(row["spec"], str) else row["spec"]
-    return EmbeddingSpace(row["model_key"], row["dimension"], row["table_name"], row["status"], spec)
+    spec, fusion = (json.loads(value) if isinstance(value, str) else value for value in (row["spec"], row["fusion"]))
+    return EmbeddingSpace(row["model_key"], row["dimension"], row["table_name"], row["status"], spec, fusion)
 
 
 async def _create_table(connection: asyncpg.Connection, table: str, dimension: int) -> None:
@@ -233,6 +235,21 @@ class SpaceStore:
 
     async def active(self) -> EmbeddingSpace | None:
         row = await self._pool.fetchrow("SELECT * FROM embedding_spaces WHERE status = 'active'")
+        return _space(row) if row is not None else None
+
+    async def spaces(self) -> list[EmbeddingSpace]:
+        """Every space, the active one first."""
+        rows = await self._pool.fetch("SELECT * FROM embedding_spaces ORDER BY status = 'active' DESC, model_key")
+        return [_space(row) for row in rows]
+
+    async def set_fusion(self, model_key: str, fusion: dict[str, Any] | None) -> EmbeddingSpace | None:
+        """Store the space's own fusion weights (None: back to the measured or deployment ones); None
+        when there is no such space."""
+        row = await self._pool.fetchrow(
+            "UPDATE embedding_spaces SET fusion = $2::jsonb WHERE model_key = $1 RETURNING *",
+            model_key,
+            json.dumps(fusion) if fusion is not None else None,
+        )
         return _space(row) if row is not None else None
 
     async def layout(self) -> tuple[EmbeddingSpace | None, dict[str, EmbeddingSpace]]:

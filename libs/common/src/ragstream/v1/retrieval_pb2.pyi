@@ -226,12 +226,34 @@ Global___ChatTurn: _TypeAlias = ChatTurn  # noqa: Y015
 class SearchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class UserContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     QUERY_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     FILTERS_FIELD_NUMBER: _builtins.int
     PRINCIPAL_FIELD_NUMBER: _builtins.int
     CONVERSATION_ID_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    USER_CONTEXT_FIELD_NUMBER: _builtins.int
+    REPHRASE_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The question; 1 to 4,000 characters."""
     top_k: _builtins.int
@@ -240,6 +262,10 @@ class SearchRequest(_message.Message):
     """Conversation the search belongs to: the same document keeps the same citation_index across the
     conversation's searches and document reads. Unset: numbers start at 1 for this call. At most 200
     characters.
+    """
+    rephrase: _builtins.bool
+    """false: search the query as sent, without the rephraser (an agent that plans its own queries).
+    Unset: true.
     """
     @_builtins.property
     def filters(self) -> Global___SearchFilters:
@@ -253,6 +279,12 @@ class SearchRequest(_message.Message):
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatTurn]:
         """The conversation so far, oldest first; used by the query rephraser when one is configured."""
 
+    @_builtins.property
+    def user_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Facts about the caller (department, team, location): the rephraser completes an incomplete
+        question from them. Never used to filter. At most 20 pairs.
+        """
+
     def __init__(
         self,
         *,
@@ -262,17 +294,23 @@ class SearchRequest(_message.Message):
         principal: Global___Principal | None = ...,
         conversation_id: _builtins.str | None = ...,
         history: _abc.Iterable[Global___ChatTurn] | None = ...,
+        user_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        rephrase: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "principal", b"principal", "top_k", b"top_k"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_rephrase", b"_rephrase", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "principal", b"principal", "rephrase", b"rephrase", "top_k", b"top_k"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "history", b"history", "principal", b"principal", "query", b"query", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id", "_rephrase", b"_rephrase", "_top_k", b"_top_k", "conversation_id", b"conversation_id", "filters", b"filters", "history", b"history", "principal", b"principal", "query", b"query", "rephrase", b"rephrase", "top_k", b"top_k", "user_context", b"user_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__conversation_id: _TypeAlias = _typing.Literal["conversation_id"]  # noqa: Y015
     _WhichOneofArgType__conversation_id: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id"]  # noqa: Y015
+    _WhichOneofReturnType__rephrase: _TypeAlias = _typing.Literal["rephrase"]  # noqa: Y015
+    _WhichOneofArgType__rephrase: _TypeAlias = _typing.Literal["_rephrase", b"_rephrase"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__conversation_id) -> _WhichOneofReturnType__conversation_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rephrase) -> _WhichOneofReturnType__rephrase | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
 
@@ -420,6 +458,8 @@ class SearchResponse(_message.Message):
     TOOK_MS_FIELD_NUMBER: _builtins.int
     EMBEDDING_SPACES_FIELD_NUMBER: _builtins.int
     DEGRADED_FIELD_NUMBER: _builtins.int
+    REPHRASE_OUTCOME_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
     query: _builtins.str
     """The query as sent."""
     rewritten_query: _builtins.str
@@ -432,6 +472,12 @@ class SearchResponse(_message.Message):
     """
     took_ms: _builtins.float
     """Server-side time of the search in milliseconds."""
+    rephrase_outcome: _builtins.str
+    """What the rephraser decided: original (searched as sent), rephrased (made standalone from the
+    history), enriched (completed from user_context) or chitchat (answered by reply, nothing searched).
+    """
+    reply: _builtins.str
+    """The direct reply to chit-chat; set only when rephrase_outcome is chitchat."""
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SearchResult]:
         """Results, best first."""
@@ -455,17 +501,23 @@ class SearchResponse(_message.Message):
         took_ms: _builtins.float = ...,
         embedding_spaces: _abc.Iterable[_builtins.str] | None = ...,
         degraded: _abc.Iterable[Global___DegradedPlatform] | None = ...,
+        rephrase_outcome: _builtins.str = ...,
+        reply: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "rewritten_query", b"rewritten_query"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_reply", b"_reply", "_rewritten_query", b"_rewritten_query", "embedding_space", b"embedding_space", "reply", b"reply", "rewritten_query", b"rewritten_query"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_rewritten_query", b"_rewritten_query", "degraded", b"degraded", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space", "_reply", b"_reply", "_rewritten_query", b"_rewritten_query", "degraded", b"degraded", "embedding_space", b"embedding_space", "embedding_spaces", b"embedding_spaces", "query", b"query", "rephrase_outcome", b"rephrase_outcome", "reply", b"reply", "reranked", b"reranked", "results", b"results", "rewritten_query", b"rewritten_query", "took_ms", b"took_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__embedding_space: _TypeAlias = _typing.Literal["embedding_space"]  # noqa: Y015
     _WhichOneofArgType__embedding_space: _TypeAlias = _typing.Literal["_embedding_space", b"_embedding_space"]  # noqa: Y015
+    _WhichOneofReturnType__reply: _TypeAlias = _typing.Literal["reply"]  # noqa: Y015
+    _WhichOneofArgType__reply: _TypeAlias = _typing.Literal["_reply", b"_reply"]  # noqa: Y015
     _WhichOneofReturnType__rewritten_query: _TypeAlias = _typing.Literal["rewritten_query"]  # noqa: Y015
     _WhichOneofArgType__rewritten_query: _TypeAlias = _typing.Literal["_rewritten_query", b"_rewritten_query"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__embedding_space) -> _WhichOneofReturnType__embedding_space | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reply) -> _WhichOneofReturnType__reply | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__rewritten_query) -> _WhichOneofReturnType__rewritten_query | None: ...
 
@@ -514,3 +566,446 @@ class SearchBatchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SearchBatchResponse: _TypeAlias = SearchBatchResponse  # noqa: Y015
+
+@_typing.final
+class KnowledgeRequest(_message.Message):
+    """One action of the knowledge tool. Which fields an action reads: search: query, top_k, filters,
+    history; read: document_id; list_documents: knowledge_base_id, folder_id, cursor, limit; create:
+    knowledge_base, title, body; update: document_id, title, body, shorten. Limits are those of the
+    HTTP API.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    CONNECTION_ID_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    FILTERS_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    DOCUMENT_ID_FIELD_NUMBER: _builtins.int
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _builtins.int
+    FOLDER_ID_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    KNOWLEDGE_BASE_FIELD_NUMBER: _builtins.int
+    TITLE_FIELD_NUMBER: _builtins.int
+    BODY_FIELD_NUMBER: _builtins.int
+    SHORTEN_FIELD_NUMBER: _builtins.int
+    action: _builtins.str
+    """search, read, list_documents, create or update."""
+    platform: _builtins.str
+    """folder, feishu, lark, yuque, ima, dingtalk, web. Unset: every platform (search), or the one of
+    connection_id.
+    """
+    connection_id: _builtins.str
+    conversation_id: _builtins.str
+    """Citation numbers and the empty-search hint are kept per conversation."""
+    query: _builtins.str
+    top_k: _builtins.int
+    document_id: _builtins.str
+    """A document_id a search answered."""
+    knowledge_base_id: _builtins.str
+    """IMA: the base to browse (unset: list the bases), the folder (unset: the root), and the
+    next_cursor of the previous page.
+    """
+    folder_id: _builtins.str
+    cursor: _builtins.str
+    limit: _builtins.int
+    knowledge_base: _builtins.str
+    """Yuque: the repo namespace group/book to create in (unset: the connection's only repo)."""
+    title: _builtins.str
+    body: _builtins.str
+    """The full Markdown body: never a summary or an excerpt (refused as invalid_request)."""
+    shorten: _builtins.bool
+    """update: replace a document with under a quarter of its length on purpose (else refused as a
+    likely summary).
+    """
+    @_builtins.property
+    def principal(self) -> Global___Principal:
+        """The user the expert acts for; required by create and update."""
+
+    @_builtins.property
+    def filters(self) -> Global___SearchFilters: ...
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatTurn]: ...
+    def __init__(
+        self,
+        *,
+        action: _builtins.str = ...,
+        platform: _builtins.str | None = ...,
+        connection_id: _builtins.str | None = ...,
+        conversation_id: _builtins.str | None = ...,
+        principal: Global___Principal | None = ...,
+        query: _builtins.str | None = ...,
+        top_k: _builtins.int | None = ...,
+        filters: Global___SearchFilters | None = ...,
+        history: _abc.Iterable[Global___ChatTurn] | None = ...,
+        document_id: _builtins.str | None = ...,
+        knowledge_base_id: _builtins.str | None = ...,
+        folder_id: _builtins.str | None = ...,
+        cursor: _builtins.str | None = ...,
+        limit: _builtins.int | None = ...,
+        knowledge_base: _builtins.str | None = ...,
+        title: _builtins.str | None = ...,
+        body: _builtins.str | None = ...,
+        shorten: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_body", b"_body", "_connection_id", b"_connection_id", "_conversation_id", b"_conversation_id", "_cursor", b"_cursor", "_document_id", b"_document_id", "_folder_id", b"_folder_id", "_knowledge_base", b"_knowledge_base", "_knowledge_base_id", b"_knowledge_base_id", "_limit", b"_limit", "_platform", b"_platform", "_query", b"_query", "_shorten", b"_shorten", "_title", b"_title", "_top_k", b"_top_k", "body", b"body", "connection_id", b"connection_id", "conversation_id", b"conversation_id", "cursor", b"cursor", "document_id", b"document_id", "filters", b"filters", "folder_id", b"folder_id", "knowledge_base", b"knowledge_base", "knowledge_base_id", b"knowledge_base_id", "limit", b"limit", "platform", b"platform", "principal", b"principal", "query", b"query", "shorten", b"shorten", "title", b"title", "top_k", b"top_k"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_body", b"_body", "_connection_id", b"_connection_id", "_conversation_id", b"_conversation_id", "_cursor", b"_cursor", "_document_id", b"_document_id", "_folder_id", b"_folder_id", "_knowledge_base", b"_knowledge_base", "_knowledge_base_id", b"_knowledge_base_id", "_limit", b"_limit", "_platform", b"_platform", "_query", b"_query", "_shorten", b"_shorten", "_title", b"_title", "_top_k", b"_top_k", "action", b"action", "body", b"body", "connection_id", b"connection_id", "conversation_id", b"conversation_id", "cursor", b"cursor", "document_id", b"document_id", "filters", b"filters", "folder_id", b"folder_id", "history", b"history", "knowledge_base", b"knowledge_base", "knowledge_base_id", b"knowledge_base_id", "limit", b"limit", "platform", b"platform", "principal", b"principal", "query", b"query", "shorten", b"shorten", "title", b"title", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__body: _TypeAlias = _typing.Literal["body"]  # noqa: Y015
+    _WhichOneofArgType__body: _TypeAlias = _typing.Literal["_body", b"_body"]  # noqa: Y015
+    _WhichOneofReturnType__connection_id: _TypeAlias = _typing.Literal["connection_id"]  # noqa: Y015
+    _WhichOneofArgType__connection_id: _TypeAlias = _typing.Literal["_connection_id", b"_connection_id"]  # noqa: Y015
+    _WhichOneofReturnType__conversation_id: _TypeAlias = _typing.Literal["conversation_id"]  # noqa: Y015
+    _WhichOneofArgType__conversation_id: _TypeAlias = _typing.Literal["_conversation_id", b"_conversation_id"]  # noqa: Y015
+    _WhichOneofReturnType__cursor: _TypeAlias = _typing.Literal["cursor"]  # noqa: Y015
+    _WhichOneofArgType__cursor: _TypeAlias = _typing.Literal["_cursor", b"_cursor"]  # noqa: Y015
+    _WhichOneofReturnType__document_id: _TypeAlias = _typing.Literal["document_id"]  # noqa: Y015
+    _WhichOneofArgType__document_id: _TypeAlias = _typing.Literal["_document_id", b"_document_id"]  # noqa: Y015
+    _WhichOneofReturnType__folder_id: _TypeAlias = _typing.Literal["folder_id"]  # noqa: Y015
+    _WhichOneofArgType__folder_id: _TypeAlias = _typing.Literal["_folder_id", b"_folder_id"]  # noqa: Y015
+    _WhichOneofReturnType__knowledge_base: _TypeAlias = _typing.Literal["knowledge_base"]  # noqa: Y015
+    _WhichOneofArgType__knowledge_base: _TypeAlias = _typing.Literal["_knowledge_base", b"_knowledge_base"]  # noqa: Y015
+    _WhichOneofReturnType__knowledge_base_id: _TypeAlias = _typing.Literal["knowledge_base_id"]  # noqa: Y015
+    _WhichOneofArgType__knowledge_base_id: _TypeAlias = _typing.Literal["_knowledge_base_id", b"_knowledge_base_id"]  # noqa: Y015
+    _WhichOneofReturnType__limit: _TypeAlias = _typing.Literal["limit"]  # noqa: Y015
+    _WhichOneofArgType__limit: _TypeAlias = _typing.Literal["_limit", b"_limit"]  # noqa: Y015
+    _WhichOneofReturnType__platform: _TypeAlias = _typing.Literal["platform"]  # noqa: Y015
+    _WhichOneofArgType__platform: _TypeAlias = _typing.Literal["_platform", b"_platform"]  # noqa: Y015
+    _WhichOneofReturnType__query: _TypeAlias = _typing.Literal["query"]  # noqa: Y015
+    _WhichOneofArgType__query: _TypeAlias = _typing.Literal["_query", b"_query"]  # noqa: Y015
+    _WhichOneofReturnType__shorten: _TypeAlias = _typing.Literal["shorten"]  # noqa: Y015
+    _WhichOneofArgType__shorten: _TypeAlias = _typing.Literal["_shorten", b"_shorten"]  # noqa: Y015
+    _WhichOneofReturnType__title: _TypeAlias = _typing.Literal["title"]  # noqa: Y015
+    _WhichOneofArgType__title: _TypeAlias = _typing.Literal["_title", b"_title"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__body) -> _WhichOneofReturnType__body | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__connection_id) -> _WhichOneofReturnType__connection_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__conversation_id) -> _WhichOneofReturnType__conversation_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cursor) -> _WhichOneofReturnType__cursor | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__document_id) -> _WhichOneofReturnType__document_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__folder_id) -> _WhichOneofReturnType__folder_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__knowledge_base) -> _WhichOneofReturnType__knowledge_base | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__knowledge_base_id) -> _WhichOneofReturnType__knowledge_base_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__limit) -> _WhichOneofReturnType__limit | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__platform) -> _WhichOneofReturnType__platform | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__query) -> _WhichOneofReturnType__query | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__shorten) -> _WhichOneofReturnType__shorten | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__title) -> _WhichOneofReturnType__title | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+
+Global___KnowledgeRequest: _TypeAlias = KnowledgeRequest  # noqa: Y015
+
+@_typing.final
+class KnowledgeError(_message.Message):
+    """A structured error: what went wrong and what to do, never a secret."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """invalid_request, unsupported_operation, not_found, ambiguous_connection, forbidden,
+    platform_error, platform_unavailable, unavailable, not_served_here, internal.
+    """
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KnowledgeError: _TypeAlias = KnowledgeError  # noqa: Y015
+
+@_typing.final
+class DocumentRead(_message.Message):
+    """A whole document, under the citation number the conversation gave it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOCUMENT_ID_FIELD_NUMBER: _builtins.int
+    CITATION_INDEX_FIELD_NUMBER: _builtins.int
+    CONNECTION_ID_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    KNOWLEDGE_BASE_FIELD_NUMBER: _builtins.int
+    TITLE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    METADATA_JSON_FIELD_NUMBER: _builtins.int
+    document_id: _builtins.str
+    citation_index: _builtins.int
+    connection_id: _builtins.str
+    platform: _builtins.str
+    knowledge_base: _builtins.str
+    title: _builtins.str
+    source: _builtins.str
+    url: _builtins.str
+    text: _builtins.str
+    truncated: _builtins.bool
+    """Whether the text was cut (at 200,000 characters for a read)."""
+    metadata_json: _builtins.str
+    """The document's metadata as a JSON object."""
+    def __init__(
+        self,
+        *,
+        document_id: _builtins.str = ...,
+        citation_index: _builtins.int = ...,
+        connection_id: _builtins.str = ...,
+        platform: _builtins.str = ...,
+        knowledge_base: _builtins.str = ...,
+        title: _builtins.str = ...,
+        source: _builtins.str = ...,
+        url: _builtins.str | None = ...,
+        text: _builtins.str = ...,
+        truncated: _builtins.bool = ...,
+        metadata_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_url", b"_url", "url", b"url"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_url", b"_url", "citation_index", b"citation_index", "connection_id", b"connection_id", "document_id", b"document_id", "knowledge_base", b"knowledge_base", "metadata_json", b"metadata_json", "platform", b"platform", "source", b"source", "text", b"text", "title", b"title", "truncated", b"truncated", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__url: _TypeAlias = _typing.Literal["url"]  # noqa: Y015
+    _WhichOneofArgType__url: _TypeAlias = _typing.Literal["_url", b"_url"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__url) -> _WhichOneofReturnType__url | None: ...
+
+Global___DocumentRead: _TypeAlias = DocumentRead  # noqa: Y015
+
+@_typing.final
+class FolderRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLDER_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    folder_id: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        folder_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["folder_id", b"folder_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FolderRef: _TypeAlias = FolderRef  # noqa: Y015
+
+@_typing.final
+class DocumentEntry(_message.Message):
+    """One entry of a folder: kind knowledge_base, folder or document."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    TITLE_FIELD_NUMBER: _builtins.int
+    DOCUMENT_ID_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    id: _builtins.str
+    title: _builtins.str
+    document_id: _builtins.str
+    """Set for a document read can open."""
+    media_type: _builtins.str
+    """note, pdf, ... for a document."""
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        id: _builtins.str = ...,
+        title: _builtins.str = ...,
+        document_id: _builtins.str | None = ...,
+        media_type: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_document_id", b"_document_id", "_media_type", b"_media_type", "document_id", b"document_id", "media_type", b"media_type"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_document_id", b"_document_id", "_media_type", b"_media_type", "document_id", b"document_id", "id", b"id", "kind", b"kind", "media_type", b"media_type", "title", b"title"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__document_id: _TypeAlias = _typing.Literal["document_id"]  # noqa: Y015
+    _WhichOneofArgType__document_id: _TypeAlias = _typing.Literal["_document_id", b"_document_id"]  # noqa: Y015
+    _WhichOneofReturnType__media_type: _TypeAlias = _typing.Literal["media_type"]  # noqa: Y015
+    _WhichOneofArgType__media_type: _TypeAlias = _typing.Literal["_media_type", b"_media_type"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__document_id) -> _WhichOneofReturnType__document_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__media_type) -> _WhichOneofReturnType__media_type | None: ...
+
+Global___DocumentEntry: _TypeAlias = DocumentEntry  # noqa: Y015
+
+@_typing.final
+class DocumentList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONNECTION_ID_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    KNOWLEDGE_BASE_ID_FIELD_NUMBER: _builtins.int
+    FOLDER_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_CURSOR_FIELD_NUMBER: _builtins.int
+    connection_id: _builtins.str
+    platform: _builtins.str
+    knowledge_base_id: _builtins.str
+    folder_id: _builtins.str
+    next_cursor: _builtins.str
+    """Unset at the end."""
+    @_builtins.property
+    def path(self) -> _containers.RepeatedCompositeFieldContainer[Global___FolderRef]:
+        """The folders from the base's root down to this one."""
+
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___DocumentEntry]: ...
+    def __init__(
+        self,
+        *,
+        connection_id: _builtins.str = ...,
+        platform: _builtins.str = ...,
+        knowledge_base_id: _builtins.str | None = ...,
+        folder_id: _builtins.str | None = ...,
+        path: _abc.Iterable[Global___FolderRef] | None = ...,
+        entries: _abc.Iterable[Global___DocumentEntry] | None = ...,
+        next_cursor: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_folder_id", b"_folder_id", "_knowledge_base_id", b"_knowledge_base_id", "_next_cursor", b"_next_cursor", "folder_id", b"folder_id", "knowledge_base_id", b"knowledge_base_id", "next_cursor", b"next_cursor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_folder_id", b"_folder_id", "_knowledge_base_id", b"_knowledge_base_id", "_next_cursor", b"_next_cursor", "connection_id", b"connection_id", "entries", b"entries", "folder_id", b"folder_id", "knowledge_base_id", b"knowledge_base_id", "next_cursor", b"next_cursor", "path", b"path", "platform", b"platform"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__folder_id: _TypeAlias = _typing.Literal["folder_id"]  # noqa: Y015
+    _WhichOneofArgType__folder_id: _TypeAlias = _typing.Literal["_folder_id", b"_folder_id"]  # noqa: Y015
+    _WhichOneofReturnType__knowledge_base_id: _TypeAlias = _typing.Literal["knowledge_base_id"]  # noqa: Y015
+    _WhichOneofArgType__knowledge_base_id: _TypeAlias = _typing.Literal["_knowledge_base_id", b"_knowledge_base_id"]  # noqa: Y015
+    _WhichOneofReturnType__next_cursor: _TypeAlias = _typing.Literal["next_cursor"]  # noqa: Y015
+    _WhichOneofArgType__next_cursor: _TypeAlias = _typing.Literal["_next_cursor", b"_next_cursor"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__folder_id) -> _WhichOneofReturnType__folder_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__knowledge_base_id) -> _WhichOneofReturnType__knowledge_base_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__next_cursor) -> _WhichOneofReturnType__next_cursor | None: ...
+
+Global___DocumentList: _TypeAlias = DocumentList  # noqa: Y015
+
+@_typing.final
+class DocumentWritten(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONNECTION_ID_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    DOCUMENT_ID_FIELD_NUMBER: _builtins.int
+    KNOWLEDGE_BASE_FIELD_NUMBER: _builtins.int
+    TITLE_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    INDEXING_FIELD_NUMBER: _builtins.int
+    connection_id: _builtins.str
+    platform: _builtins.str
+    document_id: _builtins.str
+    """For read and update, as search answers it."""
+    knowledge_base: _builtins.str
+    title: _builtins.str
+    url: _builtins.str
+    indexing: _builtins.str
+    """sync_started, sync_running or live: how the written text reaches search."""
+    def __init__(
+        self,
+        *,
+        connection_id: _builtins.str = ...,
+        platform: _builtins.str = ...,
+        document_id: _builtins.str = ...,
+        knowledge_base: _builtins.str = ...,
+        title: _builtins.str = ...,
+        url: _builtins.str | None = ...,
+        indexing: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_url", b"_url", "url", b"url"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_url", b"_url", "connection_id", b"connection_id", "document_id", b"document_id", "indexing", b"indexing", "knowledge_base", b"knowledge_base", "platform", b"platform", "title", b"title", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__url: _TypeAlias = _typing.Literal["url"]  # noqa: Y015
+    _WhichOneofArgType__url: _TypeAlias = _typing.Literal["_url", b"_url"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__url) -> _WhichOneofReturnType__url | None: ...
+
+Global___DocumentWritten: _TypeAlias = DocumentWritten  # noqa: Y015
+
+@_typing.final
+class KnowledgeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    SEARCH_FIELD_NUMBER: _builtins.int
+    READ_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    WRITTEN_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    HINT_FIELD_NUMBER: _builtins.int
+    action: _builtins.str
+    """The action answered."""
+    hint: _builtins.str
+    """After two searches in a row found nothing in the conversation: the index may be stale, and how
+    to sync.
+    """
+    @_builtins.property
+    def search(self) -> Global___SearchResponse: ...
+    @_builtins.property
+    def read(self) -> Global___DocumentRead: ...
+    @_builtins.property
+    def documents(self) -> Global___DocumentList: ...
+    @_builtins.property
+    def written(self) -> Global___DocumentWritten: ...
+    @_builtins.property
+    def error(self) -> Global___KnowledgeError: ...
+    def __init__(
+        self,
+        *,
+        action: _builtins.str = ...,
+        search: Global___SearchResponse | None = ...,
+        read: Global___DocumentRead | None = ...,
+        documents: Global___DocumentList | None = ...,
+        written: Global___DocumentWritten | None = ...,
+        error: Global___KnowledgeError | None = ...,
+        hint: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_hint", b"_hint", "documents", b"documents", "error", b"error", "hint", b"hint", "outcome", b"outcome", "read", b"read", "search", b"search", "written", b"written"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hint", b"_hint", "action", b"action", "documents", b"documents", "error", b"error", "hint", b"hint", "outcome", b"outcome", "read", b"read", "search", b"search", "written", b"written"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__hint: _TypeAlias = _typing.Literal["hint"]  # noqa: Y015
+    _WhichOneofArgType__hint: _TypeAlias = _typing.Literal["_hint", b"_hint"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["search", "read", "documents", "written", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__hint) -> _WhichOneofReturnType__hint | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___KnowledgeResponse: _TypeAlias = KnowledgeResponse  # noqa: Y015

@@ -45,6 +45,11 @@ class RetrievalStub:
                 request_serializer=ragstream_dot_v1_dot_retrieval__pb2.SearchBatchRequest.SerializeToString,
                 response_deserializer=ragstream_dot_v1_dot_retrieval__pb2.SearchBatchResponse.FromString,
                 _registered_method=True)
+        self.Knowledge = channel.unary_unary(
+                '/ragstream.v1.Retrieval/Knowledge',
+                request_serializer=ragstream_dot_v1_dot_retrieval__pb2.KnowledgeRequest.SerializeToString,
+                response_deserializer=ragstream_dot_v1_dot_retrieval__pb2.KnowledgeResponse.FromString,
+                _registered_method=True)
 
 
 class RetrievalServicer:
@@ -70,6 +75,17 @@ class RetrievalServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Knowledge(self, request, context):
+        """The chat core's knowledge tool, one action per call, as `POST /v1/knowledge`: search, read,
+        list_documents, create or update. Every answer is OK and carries either its result or `error`
+        (code and message), an invalid request included (`invalid_request`); when the error is
+        `unavailable` the trailing metadata has `grpc-retry-pushback-ms`. create and update need a
+        principal, so only a search key writes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RetrievalServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +98,11 @@ def add_RetrievalServicer_to_server(servicer, server):
                     servicer.SearchBatch,
                     request_deserializer=ragstream_dot_v1_dot_retrieval__pb2.SearchBatchRequest.FromString,
                     response_serializer=ragstream_dot_v1_dot_retrieval__pb2.SearchBatchResponse.SerializeToString,
+            ),
+            'Knowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Knowledge,
+                    request_deserializer=ragstream_dot_v1_dot_retrieval__pb2.KnowledgeRequest.FromString,
+                    response_serializer=ragstream_dot_v1_dot_retrieval__pb2.KnowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +160,33 @@ class Retrieval:
             '/ragstream.v1.Retrieval/SearchBatch',
             ragstream_dot_v1_dot_retrieval__pb2.SearchBatchRequest.SerializeToString,
             ragstream_dot_v1_dot_retrieval__pb2.SearchBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Knowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ragstream.v1.Retrieval/Knowledge',
+            ragstream_dot_v1_dot_retrieval__pb2.KnowledgeRequest.SerializeToString,
+            ragstream_dot_v1_dot_retrieval__pb2.KnowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

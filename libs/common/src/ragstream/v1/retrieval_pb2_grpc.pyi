@@ -50,6 +50,13 @@ class RetrievalStub:
     requests, so that the answers stay under gRPC's default 4 MB message limit. Every request is
     validated before any search runs; the status message names an invalid one by its index.
     """
+    Knowledge: _grpc.UnaryUnaryMultiCallable[_retrieval_pb2.KnowledgeRequest, _retrieval_pb2.KnowledgeResponse]
+    """The chat core's knowledge tool, one action per call, as `POST /v1/knowledge`: search, read,
+    list_documents, create or update. Every answer is OK and carries either its result or `error`
+    (code and message), an invalid request included (`invalid_request`); when the error is
+    `unavailable` the trailing metadata has `grpc-retry-pushback-ms`. create and update need a
+    principal, so only a search key writes.
+    """
 
 @_typing.type_check_only
 class RetrievalAsyncStub(RetrievalStub):
@@ -66,6 +73,13 @@ class RetrievalAsyncStub(RetrievalStub):
     """Several independent searches in one call, answered in order: for evaluation scripts. At most 32
     requests, so that the answers stay under gRPC's default 4 MB message limit. Every request is
     validated before any search runs; the status message names an invalid one by its index.
+    """
+    Knowledge: _aio.UnaryUnaryMultiCallable[_retrieval_pb2.KnowledgeRequest, _retrieval_pb2.KnowledgeResponse]  # type: ignore[assignment]
+    """The chat core's knowledge tool, one action per call, as `POST /v1/knowledge`: search, read,
+    list_documents, create or update. Every answer is OK and carries either its result or `error`
+    (code and message), an invalid request included (`invalid_request`); when the error is
+    `unavailable` the trailing metadata has `grpc-retry-pushback-ms`. create and update need a
+    principal, so only a search key writes.
     """
 
 class RetrievalServicer(metaclass=_abc_1.ABCMeta):
@@ -92,6 +106,19 @@ class RetrievalServicer(metaclass=_abc_1.ABCMeta):
         """Several independent searches in one call, answered in order: for evaluation scripts. At most 32
         requests, so that the answers stay under gRPC's default 4 MB message limit. Every request is
         validated before any search runs; the status message names an invalid one by its index.
+        """
+
+    @_abc_1.abstractmethod
+    def Knowledge(
+        self,
+        request: _retrieval_pb2.KnowledgeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_retrieval_pb2.KnowledgeResponse, _abc.Awaitable[_retrieval_pb2.KnowledgeResponse]]:
+        """The chat core's knowledge tool, one action per call, as `POST /v1/knowledge`: search, read,
+        list_documents, create or update. Every answer is OK and carries either its result or `error`
+        (code and message), an invalid request included (`invalid_request`); when the error is
+        `unavailable` the trailing metadata has `grpc-retry-pushback-ms`. create and update need a
+        principal, so only a search key writes.
         """
 
 def add_RetrievalServicer_to_server(servicer: RetrievalServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,11 +1,12 @@
-"""A real single-node KRaft Apache Kafka broker for tests and benchmarks (no Docker).
+"""A real single-node KRaft Apache Kafka broker for tests, benchmarks and ``make run-distributed`` (no Docker).
 
 The broker jars come from Maven Central (``deploy/local-kafka/pom.xml``), fetched once
 with ``mvn dependency:copy-dependencies`` into ``<repo>/.cache/kafka/<version>/libs``
 (or ``$RAGSTREAM_KAFKA_LIBS``) and reused. Each start formats fresh storage under
 ``work_dir`` and runs ``kafka.Kafka`` on free ports of 127.0.0.1.
 
-Run one in the foreground: ``python -m tests.support.kafka_node --work-dir DIR``.
+It needs a source checkout (the pom lives in the repository, not in the wheel).
+Run one in the foreground: ``python -m ragstream.local_kafka --work-dir DIR``.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Self
 
-from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
+from aiokafka.admin import AIOKafkaAdminClient
 
 __all__ = ["KAFKA_VERSION", "KafkaNode", "KafkaNodeError", "kafka_libs"]
 
 KAFKA_VERSION = "4.4.0"
-_REPO = Path(__file__).resolve().parents[2]
+# libs/common/src/ragstream/local_kafka.py: the checkout is four levels up (editable install).
+_REPO = Path(__file__).resolve().parents[4]
 _POM = _REPO / "deploy" / "local-kafka" / "pom.xml"
 # The format tool runs for a second: skip the optimising JIT, halving its run time.
 _SHORT_LIVED_JVM = ["-Xmx256m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
@@ -102,18 +104,14 @@ class KafkaNode:
         properties = self.work_dir / "server.properties"
         properties.write_text(_server_properties(self.work_dir / "data", broker_port, controller_port))
         (self.work_dir / "log4j2.properties").write_text(_LOG4J2)
-        classpath = ["-cp", f"{libs}/*"]
-        jvm = [
-            java,
-            f"-Dlog4j2.configurationFile={self.work_dir / 'log4j2.properties'}",
-        ]
         self._log = self.log_path.open("wb")
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         formatted = subprocess.run(
             [
-                *jvm,
+                *self._jvm(java),
                 *_SHORT_LIVED_JVM,
-                *classpath,
+                "-cp",
+                f"{libs}/*",
                 "kafka.tools.StorageTool",
                 "format",
                 "--standalone",
@@ -129,13 +127,45 @@ class KafkaNode:
         if formatted.returncode:
             self.stop()
             raise KafkaNodeError(f"formatting storage failed:\n{self._tail()}")
+        return self._launch(f"127.0.0.1:{broker_port}")
+
+    def kill(self) -> None:
+        """SIGKILL the broker, as a crash would: no controlled shutdown, no flush. Its storage, ports
+        and log stay, for ``restart()``."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    def restart(self) -> str:
+        """Start the broker again on the same ports and storage (after ``kill()`` or a crash), and
+        wait until it serves metadata; the bootstrap address is unchanged."""
+        if self._bootstrap is None:
+            raise KafkaNodeError("KafkaNode is not started")
+        self.kill()
+        return self._launch(self._bootstrap)
+
+    def _jvm(self, java: str) -> list[str]:
+        return [java, f"-Dlog4j2.configurationFile={self.work_dir / 'log4j2.properties'}"]
+
+    def _launch(self, bootstrap: str) -> str:
+        if self._log is None:
+            self._log = self.log_path.open("ab")
+        properties = self.work_dir / "server.properties"
         self._process = subprocess.Popen(
-            [*jvm, "-Xmx512m", "-Xms128m", *classpath, "kafka.Kafka", str(properties)],
+            [
+                *self._jvm(_tool("java")),
+                "-Xmx512m",
+                "-Xms128m",
+                "-cp",
+                f"{kafka_libs()}/*",
+                "kafka.Kafka",
+                str(properties),
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a terminal's Ctrl-C reaches us, we stop it cleanly
         )
-        bootstrap = f"127.0.0.1:{broker_port}"
         pool = ThreadPoolExecutor(1)  # its own event loop, even if the caller runs one
         try:
             ready = self._wait_ready(self._process, bootstrap)

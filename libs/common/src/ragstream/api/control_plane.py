@@ -1,0 +1,93 @@
+"""The control-plane routers, one set for ``ragstream up`` and the connector-fetcher service:
+connections, their syncs and status, re-chunk, re-index, embedding spaces and their fusion, replays
+and document reads."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+
+from ragstream.api.connections import connections_router
+from ragstream.api.documents import documents_router
+from ragstream.api.rechunk import rechunk_router
+from ragstream.api.reindex import reindex_router
+from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.api.spaces import spaces_router
+from ragstream.api.syncs import folder_syncs_router, sync_router
+from ragstream.control.runner import SyncRunner
+from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.credentials import CredentialCipher
+from ragstream.rechunk import Rechunker
+from ragstream.reindex import Reindexer
+from ragstream.retrieval.reader import DocumentReader
+from ragstream.runtime import Runtime, chosen_fusion
+from ragstream.storage.citations import CitationStore
+from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.rechunk import RechunkStore
+from ragstream.storage.spaces import SpaceStore
+
+__all__ = ["control_plane_routers"]
+
+
+def control_plane_routers(
+    runtime: Runtime,
+    runs: SyncRunStore,
+    runner: SyncRunner,
+    reindexer: Reindexer,
+    rechunker: Rechunker,
+    replay: Callable[[ReplayRequest], Awaitable[ReplayResult]],
+    *,
+    own_folders: Sequence[Path] = (),
+) -> list[APIRouter]:
+    """Every control-plane route over a process's open ``runtime``. Sync runs are queued in ``runs``
+    and claimed by ``runner`` (woken at once); only ``replay`` differs by mode, since the embedded one
+    waits for the re-driven documents and the Kafka one reads the dead-letter topic too.
+    ``own_folders``: folders the process syncs on its own, also allowed on ``POST /v1/syncs``."""
+    settings = runtime.settings
+
+    def first_sync(trigger: Trigger) -> Callable[[str], Awaitable[None]]:
+        """A connection created with RAG on, or switched back on, is synced in full right away."""
+
+        async def start(connection_id: str) -> None:
+            with contextlib.suppress(SyncInProgress):
+                await runs.start(connection_id, trigger)
+            runner.wake()
+
+        return start
+
+    async def resolve_embedding(spec: dict[str, Any]) -> tuple[str, int]:
+        embedder = await runtime.spaces.resolve(spec)
+        return embedder.model_key, embedder.dimension
+
+    reader = DocumentReader(DocumentReadStore(runtime.pool), CitationStore(runtime.pool))
+    return [
+        connections_router(
+            ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings)),
+            on_created=first_sync("create"),
+            on_rag_enabled=first_sync("api"),
+            on_chunking_changed=rechunker.start,
+            on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
+            resolve_embedding=resolve_embedding,
+            folder_roots=settings.folders.roots(),
+            allow_private_networks=settings.outbound.allow_private_networks,
+        ),
+        rechunk_router(rechunker, RechunkStore(runtime.pool)),
+        sync_router(lambda: runs, runner.wake),
+        folder_syncs_router(
+            runs,
+            runtime.store,
+            lambda: runner.live,
+            runner.wake,
+            folder_roots=settings.folders.roots(),
+            own_folders=own_folders,
+        ),
+        replay_router(replay),
+        reindex_router(reindexer, SpaceStore(runtime.pool)),
+        spaces_router(SpaceStore(runtime.pool), chosen_fusion(settings)),
+        documents_router(lambda: reader),
+    ]

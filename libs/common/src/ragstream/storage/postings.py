@@ -1,0 +1,320 @@
+"""The keyword leg's BM25 top-k from impact-ordered postings, without scoring every matching chunk.
+
+Migration 0017 keeps, per (field, lexeme), the chunks holding it ordered by their BM25 term-frequency
+part (``impact``, under reference lengths), and the exact document frequency per connection and
+index version. A search reads the best postings of each query term (``first_depth`` of each list at
+first), bounds the score of every chunk read (MaxScore-style: its impacts read, and for each list
+not read to the end the last impact read, each times weight × idf × drift) and scores exactly, with
+the same SQL expression as the exact path and the in-scope df, only the chunks whose bound reaches
+the ``limit``-th exact score. It stops once that score beats the bound of every unread chunk; else it
+reads deeper (4×) in the lists that keep that bound high, and past ``max_depth`` hands back to the
+exact path. ``drift`` is max(1, current average length / reference average length): the
+term-frequency part grows with the average length and by at most that ratio, so impacts stored under
+older statistics stay valid bounds. The result is the exact BM25 top-k, with the same scores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+if TYPE_CHECKING:
+    from ragstream.storage.scope import Scope
+
+__all__ = ["BM25_SCORE", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
+
+# The BM25 sum of a chunk over its (field, lexeme, tf, dl, df) rows, given p(k1, b, n, avg_words,
+# avg_bigrams, bigram_weight). Shared with the exact path so that both compute identical scores.
+BM25_SCORE = """sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
+                   * ln(1 + (greatest(p.n, df) - df + 0.5) / (df + 0.5)) * tf * (p.k1 + 1)
+                   / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
+               )"""
+
+# The terms' in-scope document frequencies from keyword_df, read through the caller's scope clause:
+# keyword_df stands in for the chunks (``c``: its index_version, no ACL), a row with the connection
+# for the document (``d``). Only valid for scopes without document filters (Scope.document_filters);
+# ``restricted`` counts chunks with an ACL in connections that check it, which only an exact scan can
+# judge. $1/$2: the fields and lexemes; the scope's parameters from $3.
+_FREQUENCIES = """
+    WITH q AS (SELECT * FROM unnest($1::smallint[], $2::text[]) AS q(field, lexeme)),
+    scoped AS (
+        SELECT c.field, c.lexeme, c.chunks, CASE WHEN k.skip_acl THEN 0 ELSE c.restricted END AS restricted
+        FROM (SELECT f.*, NULL::text[] AS acl FROM keyword_df f JOIN q USING (field, lexeme)) AS c
+        JOIN connections k ON k.id = c.connection_id
+        CROSS JOIN LATERAL (SELECT 'indexed'::text AS status, c.connection_id) AS d
+        WHERE {scope})
+    SELECT q.field, q.lexeme, keyword_term(q.field, q.lexeme) AS term,
+           coalesce((SELECT sum(s.chunks) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)::float8
+               AS df,
+           coalesce((SELECT sum(s.restricted) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)
+               AS restricted,
+           coalesce((SELECT sum(f.chunks) FROM keyword_df f WHERE f.field = q.field AND f.lexeme = q.lexeme), 0)::float8
+               AS everywhere
+    FROM q
+"""
+
+# One round of reading: the best postings of each term (an index range scan each, as deep as that
+# term's depth), for each chunk read an upper bound of its score (its impacts read, times the terms'
+# bounds, plus for each other list not read to the end the bound times the last impact read), and per
+# list how far it went. $1: term keys, $2: depths, $3: bounds (weight × idf × drift × slack).
+_READ = """
+    WITH t AS (SELECT * FROM unnest($1::bigint[], $2::int[], $3::float8[])
+               WITH ORDINALITY AS t(term, depth, bound, ordinal)),
+    read AS MATERIALIZED (
+        SELECT t.ordinal, t.bound, p.chunk_key, p.impact
+        FROM t, LATERAL (
+            SELECT chunk_key, impact FROM keyword_postings WHERE term = t.term ORDER BY impact DESC LIMIT t.depth
+        ) AS p),
+    lists AS (SELECT ordinal, count(*) AS n, min(impact) AS last FROM read GROUP BY ordinal),
+    open AS (SELECT l.ordinal, t.bound * l.last AS rest FROM lists l JOIN t USING (ordinal) WHERE l.n = t.depth),
+    unread AS (SELECT coalesce(sum(rest), 0)::float8 AS bound FROM open),
+    candidates AS (
+        SELECT r.chunk_key, sum(r.bound * r.impact) - coalesce(sum(o.rest), 0) + (SELECT bound FROM unread) AS bound
+        FROM read r LEFT JOIN open o USING (ordinal) GROUP BY r.chunk_key)
+    SELECT (SELECT bound FROM unread) AS unread,
+           ARRAY(SELECT ROW(ordinal, n, last) FROM lists) AS lists,
+           ARRAY(SELECT chunk_key FROM candidates ORDER BY bound DESC, chunk_key) AS keys,
+           ARRAY(SELECT bound FROM candidates ORDER BY bound DESC, chunk_key) AS bounds
+"""
+
+# The exact BM25 of the given chunks that are in scope, with the in-scope df of each query term.
+# $1: chunk keys, $2: limit, the scope's parameters from $3.
+_SCORE_CHUNKS = """
+    WITH q AS (SELECT ${lexemes}::text[] AS lexemes, ${bigrams}::text[] AS bigrams),
+    frequencies AS (SELECT * FROM unnest(${fields}::smallint[], ${terms}::text[], ${dfs}::float8[])
+                    AS f(field, lexeme, df)),
+    hits AS (
+        SELECT c.id, h.field, CASE h.field WHEN 0 THEN c.lexeme_count ELSE c.bigram_count END AS dl,
+               h.lexeme, greatest(h.tf, 1) AS tf
+        FROM q, chunks c {joins}, LATERAL (
+            SELECT 0::smallint AS field, m.lexeme, cardinality(m.positions) AS tf
+            FROM unnest(ts_filter(setweight(c.search_vector, 'B', q.lexemes), '{{b}}')) AS m
+            WHERE m.lexeme = ANY(q.lexemes)
+            UNION ALL
+            SELECT 1::smallint, m.lexeme, cardinality(m.positions)
+            FROM unnest(ts_filter(setweight(c.bigram_vector, 'B', q.bigrams), '{{b}}')) AS m
+            WHERE m.lexeme = ANY(q.bigrams)
+        ) AS h
+        WHERE c.posting_key = ANY($1::bigint[]) AND {scope}),
+    p AS (SELECT ${k1}::float8 AS k1, ${b}::float8 AS b, ${n}::float8 AS n, ${avg_words}::float8 AS avg_words,
+                 ${avg_bigrams}::float8 AS avg_bigrams, ${bigram_weight}::float8 AS bigram_weight)
+    SELECT id, {score} AS score FROM hits JOIN frequencies USING (field, lexeme), p
+    GROUP BY id ORDER BY score DESC, id LIMIT $2
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Bm25Statistics:
+    """What a BM25 score needs besides the chunk: parameters and corpus-wide statistics."""
+
+    k1: float
+    b: float
+    bigram_weight: float
+    chunks: float
+    average_words: float
+    average_bigrams: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Term:
+    field: int
+    lexeme: str
+    key: int
+    df: float
+    bound: float  # weight × idf × drift × rounding slack: multiplies the last impact read
+
+
+class ImpactOrderedPostings:
+    """The read side of migration 0017's postings (see the module docstring).
+
+    ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap.
+    ``min_share``: a scope holding a smaller share of the terms' postings would make the lists read
+    mostly chunks it excludes, so the exact path scores its own chunks instead. ``first_depth``: the
+    postings read per term in the first round (4× per deeper round, up to ``max_depth``).
+    ``max_read_share``: once the lists would read more than this share of the in-scope postings, the
+    exact path takes over."""
+
+    # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
+    _SLACK = 1 + 1e-6
+
+    def __init__(
+        self,
+        *,
+        exact_below: int = 2000,
+        min_share: float = 0.2,
+        first_depth: int = 64,
+        max_depth: int = 16384,
+        max_read_share: float = 0.1,
+    ) -> None:
+        self.exact_below = exact_below
+        self.min_share = min_share
+        self.first_depth = first_depth
+        self.max_depth = max_depth
+        self.max_read_share = max_read_share
+
+    async def top(
+        self,
+        db: Any,
+        lexemes: Sequence[str],
+        bigrams: Sequence[str],
+        limit: int,
+        scope: Scope,
+        statistics: Bm25Statistics,
+    ) -> tuple[str, list[tuple[str, float]] | None]:
+        """The path taken and the exact BM25 top ``limit`` (``None``: the caller must score exactly)."""
+        if scope.document_filters:
+            return "exact: document filters", None
+        reference = await db.fetchrow("SELECT k1, b, average_words, average_bigrams FROM keyword_reference")
+        if reference is None or (reference["k1"], reference["b"]) != (statistics.k1, statistics.b):
+            return "exact: other k1, b", None
+        fields = [0] * len(lexemes) + [1] * len(bigrams)
+        rows = await db.fetch(_FREQUENCIES.format(scope=scope.sql), fields, [*lexemes, *bigrams], *scope.params)
+        if any(row["restricted"] for row in rows):
+            return "exact: ACL", None
+        present = [row for row in rows if row["df"] > 0]
+        if not present:
+            return "postings", []
+        in_scope = sum(row["df"] for row in present)
+        if in_scope < self.exact_below:
+            return "exact: small scope", None
+        if in_scope < self.min_share * sum(row["everywhere"] for row in present):
+            return "exact: selective scope", None
+        drift = {
+            0: _drift(statistics.average_words, reference["average_words"]),
+            1: _drift(statistics.average_bigrams, reference["average_bigrams"]),
+        }
+        if any(drift[row["field"]] == math.inf for row in present):
+            return "exact: no reference lengths", None
+        terms = [
+            _Term(
+                row["field"],
+                row["lexeme"],
+                row["term"],
+                row["df"],
+                (1.0 if row["field"] == 0 else statistics.bigram_weight)
+                * _idf(statistics.chunks, row["df"])
+                * drift[row["field"]]
+                * self._SLACK,
+            )
+            for row in present
+        ]
+        depths = [self.first_depth] * len(terms)
+        scorer = _Scorer(db, terms, lexemes, bigrams, limit, scope, statistics)
+        while True:
+            row = await db.fetchrow(_READ, [t.key for t in terms], depths, [t.bound for t in terms])
+            assert row is not None
+            hits = await scorer.best(row["keys"], row["bounds"])
+            threshold = hits[-1][1] if len(hits) == limit else None
+            if row["unread"] == 0 or (threshold is not None and threshold > row["unread"]):
+                return "postings", hits
+            # Deepen the lists that keep the bound of unread chunks at or above the threshold, the
+            # largest first (all of them while fewer than ``limit`` chunks were found).
+            open_lists = [(ordinal - 1, last) for ordinal, read, last in row["lists"] if read == depths[ordinal - 1]]
+            rests = sorted(((terms[index].bound * last, index) for index, last in open_lists), reverse=True)
+            remaining = sum(rest for rest, _ in rests)
+            for rest, index in rests:
+                if threshold is not None and remaining < threshold:
+                    break
+                if depths[index] >= self.max_depth:
+                    return "exact: too deep", None
+                depths[index] *= 4
+                remaining -= rest
+            # Flat impacts (many chunks alike, copies) need deep lists: past a share of the matches,
+            # the scan that scores them all once is cheaper than more rounds.
+            reading = sum(min(depth, term.df) for depth, term in zip(depths, terms, strict=True))
+            if reading > self.max_read_share * in_scope:
+                return "exact: too deep", None
+
+
+class _Scorer:
+    """Exact BM25 of candidate chunks for one search, each chunk scored once across rounds."""
+
+    def __init__(
+        self,
+        db: Any,
+        terms: Sequence[_Term],
+        lexemes: Sequence[str],
+        bigrams: Sequence[str],
+        limit: int,
+        scope: Scope,
+        statistics: Bm25Statistics,
+    ) -> None:
+        self._db = db
+        self._limit = limit
+        self._scope = scope
+        self._scored: set[int] = set()
+        self._hits: list[tuple[str, float]] = []
+        self._values: dict[str, Any] = {
+            "lexemes": list(lexemes),
+            "bigrams": list(bigrams),
+            "fields": [term.field for term in terms],
+            "terms": [term.lexeme for term in terms],
+            "dfs": [term.df for term in terms],
+            "k1": statistics.k1,
+            "b": statistics.b,
+            "n": statistics.chunks,
+            "avg_words": statistics.average_words,
+            "avg_bigrams": statistics.average_bigrams,
+            "bigram_weight": statistics.bigram_weight,
+        }
+        first = 3 + len(scope.params)
+        numbers = {name: first + offset for offset, name in enumerate(self._values)}
+        self._sql = _SCORE_CHUNKS.format(joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers)
+
+    async def best(self, keys: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
+        """The top ``limit`` among the chunks scored so far, after scoring every one of ``keys``
+        (ordered by their upper ``bounds``, highest first) that could still reach it."""
+        batch = max(2 * self._limit, 64)
+        start = 0
+        while start < len(keys):
+            threshold = self._hits[-1][1] if len(self._hits) == self._limit else None
+            if threshold is not None and bounds[start] < threshold:
+                break
+            todo = [key for key in keys[start : start + batch] if key not in self._scored]
+            start += batch
+            if not todo:
+                continue
+            self._scored.update(todo)
+            rows = await self._db.fetch(self._sql, todo, self._limit, *self._scope.params, *self._values.values())
+            merged = self._hits + [(row["id"], row["score"]) for row in rows]
+            self._hits = sorted(merged, key=lambda hit: (-hit[1], hit[0]))[: self._limit]
+            batch *= 4
+        return self._hits
+
+
+def _idf(chunks: float, df: float) -> float:
+    """Lucene's idf, as the SQL computes it."""
+    return math.log(1 + (max(chunks, df) - df + 0.5) / (df + 0.5))
+
+
+def _drift(current: float, reference: float | None) -> float:
+    """How much larger a term-frequency part can be now than under the reference average length."""
+    if reference is None or reference <= 0:
+        return math.inf
+    return max(1.0, current / reference)
+
+
+async def refresh_impacts(pool: asyncpg.Pool, *, tolerance: float = 1.25) -> bool:
+    """Rewrite every stored impact under the current average lengths when they have grown past
+    ``tolerance`` × the reference ones (the bound loosens by that ratio, so searches read deeper);
+    returns whether it did. Rankings are exact either way. Commits wait for the rewrite."""
+    row = await pool.fetchrow(
+        "SELECT r.average_words AS ref_words, r.average_bigrams AS ref_bigrams,"
+        " (SELECT avg(lexeme_count) FROM chunks)::float8 AS words,"
+        " (SELECT avg(bigram_count) FILTER (WHERE bigram_count > 0) FROM chunks)::float8 AS bigrams"
+        " FROM keyword_reference r"
+    )
+    if row is None:
+        return False
+    drifted = any(
+        current is not None and _drift(current, reference) > tolerance
+        for current, reference in ((row["words"], row["ref_words"]), (row["bigrams"], row["ref_bigrams"]))
+    )
+    if drifted:
+        async with pool.acquire() as connection, connection.transaction():
+            await connection.execute("SELECT keyword_refresh_impacts()")
+    return drifted
