@@ -55,6 +55,7 @@ from ragstream.local_kafka import KafkaNode  # noqa: E402
 from ragstream.retrieval import SearchRequest  # noqa: E402
 from ragstream.runtime import open_runtime  # noqa: E402
 from ragstream.settings import Settings  # noqa: E402
+from ragstream.stages.embed import embedding_input  # noqa: E402
 from ragstream.storage.documents import document_id  # noqa: E402
 from ragstream.storage.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from tests.support.services import MODULES, ServiceProcess  # noqa: E402
@@ -432,6 +433,11 @@ async def database_report(dsn: str, connection_id: str, ids: list[str]) -> dict[
             " FROM document_failures WHERE connection_id = $1 GROUP BY step, code ORDER BY n DESC",
             connection_id,
         )
+        texts = await connection.fetch(
+            "SELECT d.title, c.heading, c.text FROM chunks c JOIN documents d ON d.id = c.document_id"
+            " WHERE d.connection_id = $1 AND d.status = 'indexed'",
+            connection_id,
+        )
         database_bytes = await connection.fetchval("SELECT pg_database_size(current_database())")
     finally:
         await connection.close()
@@ -439,6 +445,8 @@ async def database_report(dsn: str, connection_id: str, ids: list[str]) -> dict[
         "documents_indexed": indexed,
         "documents_failed": failed,
         "chunks_written": int(chunk_rows),
+        # What the embedder was given: the same function builds it at ingest and at re-index.
+        "characters_embedded": sum(len(embedding_input(r["title"], r["heading"], r["text"])) for r in texts),
         "chunk_count_sum": chunk_count_sum,
         "vectors_written": int(vectors),
         "database_mb": round(int(database_bytes) / MB, 1),
@@ -843,6 +851,7 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]
         ("documents indexed", lambda m: get(m, "documents_indexed")),
         ("documents failed", lambda m: get(m, "documents_failed")),
         ("chunks written", lambda m: get(m, "chunks_written")),
+        ("characters embedded", lambda m: get(m, "characters_embedded")),
         ("ingest wall time (s)", lambda m: get(m, "ingest_wall_s")),
         ("documents/s", lambda m: get(m, "documents_per_s")),
         ("chunks/s", lambda m: get(m, "chunks_per_s")),
@@ -932,7 +941,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="only the first N HTML pages (sorted by path)")
     parser.add_argument("--mode", choices=("embedded", "kafka", "both"), default="both")
     parser.add_argument("--queries", type=int, default=300, help="search queries per mode")
+    parser.add_argument(
+        "--compare-llamaindex",
+        action="store_true",
+        help="first ingest of ragstream and LlamaIndex, alternating (bench.compare_llamaindex; --limit, default 300)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --compare-llamaindex: rounds of both")
     args = parser.parse_args(argv)
+    if args.compare_llamaindex:
+        # Imported here: that module imports this one.
+        from bench.compare_llamaindex import main as compare
+
+        return compare(["--limit", str(args.limit or 300), "--rounds", str(args.rounds)])
     command = shlex.join([".venv/bin/python", "-m", "bench.ingest", *(sys.argv[1:] if argv is None else argv)])
 
     corpus = prepare_corpus(args.corpus, args.limit)

@@ -64,3 +64,10 @@ def test_no_text_is_lost_and_no_chunk_exceeds_the_size(lines: list[str]) -> None
     for word in markdown.split():
         if not word.startswith("#"):
             assert word in joined or len(word) > 300
+
+
+def test_text_before_the_first_heading_carries_the_page_title() -> None:
+    intro = "The harbor gateway routes every request. " * 3
+    chunks = MarkdownChunker(200, 0).run(ParsedDocument("Harbor guide", f"{intro}\n\n# Ports\n\n" + "Port 7411. " * 20))
+    assert chunks[0].heading == "Harbor guide" and chunks[0].text.startswith("The harbor gateway")
+    assert {chunk.heading for chunk in chunks[1:]} == {"Ports"}

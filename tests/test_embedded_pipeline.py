@@ -144,7 +144,7 @@ async def test_pdf_and_word_documents_are_indexed_with_their_sections(runtime: R
         FolderConnector(corpus).connection_id,
     )
     assert [tuple(row) for row in rows] == [
-        ("harbor.pdf", "Harbor", PDF, ""),
+        ("harbor.pdf", "Harbor", PDF, "Harbor"),  # a PDF has no headings: its title stands in
         ("policy.docx", "Expense policy", DOCX, "Expense policy"),
     ]
 

@@ -209,3 +209,89 @@ def test_a_word_package_that_inflates_past_the_limit_is_too_large() -> None:
 )
 def test_markdown_title_is_the_first_h1_line(markdown: str, title: str) -> None:
     assert Parser().run(markdown.encode(), "text/markdown", "fallback").title == title
+
+
+DOCBOOK_PAGE = (
+    b'<?xml version="1.0" encoding="UTF-8" standalone="no"?>\n'
+    b'<!DOCTYPE html PUBLIC "-//W3C//DTD XHTML 1.0 Transitional//EN" "x.dtd"><html><head><title>CREATE TABLE</title>'
+    b'<link rel="next" href="b.html" title="CREATE TABLE AS" /></head><body><div class="navheader">'
+    b'<table summary="Navigation header"><tr><th colspan="5">CREATE TABLE</th></tr><tr><td><a href="a.html">Prev</a>'
+    b'</td><th>SQL Commands</th><td><a href="b.html">Next</a></td></tr></table><hr /></div>'
+    b'<div class="refentry"><h2>CREATE TABLE</h2><p>CREATE TABLE &#8212; define a new table</p>'
+    b'<h2>See Also</h2><p><a class="xref" href="sql-altertable.html" title="ALTER TABLE">ALTER TABLE</a>, see '
+    b'<a href="https://en.wikipedia.org/wiki/Table_(database)">tables</a>.<img src="figure-1.png" alt="figure" /></p>'
+    b'</div><div class="navfooter"><hr /><table summary="Navigation footer"><tr><td><a href="a.html">Prev</a></td>'
+    b'<td><a href="index.html" title="PostgreSQL 15.20 Documentation">Home</a></td></tr></table></div></body></html>'
+)
+
+
+def test_docbook_navigation_tables_and_rules_are_dropped() -> None:
+    parsed = Parser().run(DOCBOOK_PAGE, "text/html", "page")
+    assert parsed.title == "CREATE TABLE"
+    assert parsed.markdown.startswith("## CREATE TABLE\n\nCREATE TABLE — define a new table")
+    for noise in ("Prev", "Next", "Home", "SQL Commands", "---", "| ", "<?xml", "DOCTYPE", "dtd"):
+        assert noise not in parsed.markdown
+    # The page title is said once, by its own heading, not again by the navigation header.
+    assert parsed.markdown.count("CREATE TABLE") == 2
+
+
+def test_html_links_keep_their_text_and_drop_their_targets_and_images() -> None:
+    markdown = Parser().run(DOCBOOK_PAGE, "text/html", "page").markdown
+    assert "ALTER TABLE, see tables." in markdown
+    for target in ("sql-altertable.html", "wikipedia", "](", '"ALTER TABLE"', "figure", ".png"):
+        assert target not in markdown
+
+
+@pytest.mark.parametrize(
+    "chrome",
+    [
+        '<div role="navigation">Chapter list</div>',
+        '<div class="related"><ul><li>modules</li><li>Chapter list</li></ul></div>',
+        '<div class="sphinxsidebar">Chapter list</div>',
+        '<ol class="breadcrumb"><li>Chapter list</li></ol>',
+        '<a class="skip-link" href="#main">Chapter list</a>',
+        '<table summary="Navigation footer"><tr><td>Chapter list</td></tr></table>',
+    ],
+)
+def test_generated_site_navigation_is_dropped(chrome: str) -> None:
+    anchor = "<a class='headerlink' href='#p'>\u00b6</a>"
+    page = f"<html><body>{chrome}<h1>Ports{anchor}</h1><p>Port 7411.</p></body></html>"
+    markdown = Parser().run(page.encode(), "text/html", "page").markdown
+    assert markdown == "# Ports\n\nPort 7411."
+
+
+def test_html_keeps_lists_tables_of_contents_tables_and_code() -> None:
+    page = (
+        b"<html><body><div class='toc'><p><b>Table of Contents</b></p><dl><dt>1. Getting Started</dt>"
+        b"<dt>2. The SQL Language</dt></dl></div><ol><li>install</li><li>run</li></ol>"
+        b"<table summary='Settings'><tr><th>Name</th><th>Default</th></tr><tr><td>port</td><td>5432</td></tr></table>"
+        b"<pre>SELECT 1;\n  -- indented</pre><p>Use <code>psql</code>.</p></body></html>"
+    )
+    markdown = Parser().run(page, "text/html", "page").markdown
+    for kept in ("Table of Contents", "1. Getting Started", "2. The SQL Language", "1. install", "2. run"):
+        assert kept in markdown
+    assert "| Name | Default |" in markdown and "| port | 5432 |" in markdown
+    assert "```\nSELECT 1;\n  -- indented\n```" in markdown and "Use `psql`." in markdown
+
+
+def test_markdown_links_and_images_lose_their_targets_outside_code() -> None:
+    source = (
+        "# Guide\n\n"
+        'See [the install page](install.md "Install") and [RFC](https://en.wikipedia.org/wiki/RFC_(x)).\n'
+        '![diagram](img/arch.png) Logo: <img src="logo.svg" alt="logo"> and [the FAQ][faq].\n'
+        "Keep `[not](a-link)` as code.\n\n"
+        '[faq]: https://example.com/faq "FAQ"\n\n'
+        "```md\n[in a fence](stays.md)\n```\n"
+    )
+    markdown = Parser().run(source.encode(), "text/markdown", "guide").markdown
+    assert "See the install page and RFC.\n" in markdown
+    assert " Logo:  and the FAQ.\n" in markdown
+    assert "Keep `[not](a-link)` as code." in markdown and "[in a fence](stays.md)" in markdown
+    for target in ("install.md", "wikipedia", "arch.png", "logo.svg", "example.com", "[faq]"):
+        assert target not in markdown
+
+
+def test_markdown_cleaning_is_linear_on_unclosed_brackets() -> None:
+    # Each bracket scans a bounded distance: a 1 MB line of unclosed links is a quick parse.
+    line = "[a](b " * 200_000
+    assert Parser().run(line.encode(), "text/markdown", "brackets").markdown == line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 import zipfile
 from dataclasses import dataclass
 from enum import StrEnum
@@ -12,9 +13,19 @@ from typing import TYPE_CHECKING
 from ragstream.storable import strip_unstorable
 
 if TYPE_CHECKING:
-    from bs4 import BeautifulSoup
+    from bs4 import BeautifulSoup, Tag
 
-__all__ = ["DOCX", "PDF", "ParseError", "ParseErrorCode", "ParsedDocument", "Parser", "media_type_for", "unwrap_lines"]
+__all__ = [
+    "DOCX",
+    "PDF",
+    "ParseError",
+    "ParseErrorCode",
+    "ParsedDocument",
+    "Parser",
+    "clean_markdown",
+    "media_type_for",
+    "unwrap_lines",
+]
 
 PDF = "application/pdf"
 DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
@@ -30,7 +41,25 @@ _MEDIA_TYPES = {
 }
 _CONTROL = re.compile(rb"[\x00-\x08\x0e-\x1f]")
 # Not the page's text: code, the head, and the site's navigation, sidebars, headers and footers.
-_HTML_NOISE = ("script", "style", "head", "nav", "noscript", "aside", "footer", "header", "template", "svg")
+_HTML_NOISE = ("script", "style", "head", "nav", "noscript", "aside", "footer", "header", "template", "svg", "hr")
+# Navigation that generators draw with plain divs and tables: DocBook's navheader/navfooter (Debian's
+# documentation packages), Sphinx's related bar, sidebar and ¶ heading anchors, skip links and
+# breadcrumbs. Elements with the ARIA role ``navigation`` or a DocBook navigation table summary go too.
+_NAV_CLASSES = frozenset(
+    {"navheader", "navfooter", "related", "sphinxsidebar", "headerlink", "skip-link", "breadcrumb", "breadcrumbs"}
+)
+_NAV_SUMMARY = re.compile(r"^\s*navigation\b", re.IGNORECASE)
+# Markdown link and image syntax: ``![alt](url "title")``, ``[text](url)``, ``[text][ref]``, raw
+# ``<img>`` tags and the ``[ref]: url`` definitions. Every repetition is bounded, so a line of
+# unclosed brackets costs a constant per character, not a scan to the end of the line per bracket.
+_MD_IMAGE = re.compile(
+    r"!\[[^\]\n]{0,1000}\](?:\((?:[^()\n]|\([^()\n]{0,500}\)){0,2000}\)|\[[^\]\n]{0,500}\])|<img\b[^>\n]{0,2000}>",
+    re.IGNORECASE,
+)
+_MD_LINK = re.compile(r"\[([^\]\n]{1,1000})\](?:\((?:[^()\n]|\([^()\n]{0,500}\)){0,2000}\)|\[[^\]\n]{0,500}\])")
+_MD_DEFINITION = re.compile(r" {0,3}\[[^\]\n]{1,1000}\]:[ \t]*\S")
+_MD_FENCE = re.compile(r"[ \t]{0,3}(```|~~~)")
+_MD_INLINE_CODE = re.compile(r"`[^`\n]{0,2000}`")
 # Members that inflate more than this many times their compressed size are a bomb, not a document:
 # DEFLATE reaches about a thousand on a run of zeros, text and markup stay far below this.
 _MAX_COMPRESSION_RATIO = 200
@@ -130,7 +159,8 @@ class Parser:
         if media_type == "text/html":
             return self._from_html(text, fallback_title)
         if media_type == "text/markdown":
-            return ParsedDocument(_first_h1(text) or fallback_title, text)
+            markdown = clean_markdown(text)
+            return ParsedDocument(_first_h1(markdown) or fallback_title, markdown)
         if media_type == "text/plain":
             return ParsedDocument(fallback_title, text)
         raise ParseError(ParseErrorCode.UNSUPPORTED, f"cannot parse {media_type}")
@@ -159,7 +189,8 @@ class Parser:
             soup = _html_soup(text)
             title = re.sub(r"\s+", " ", soup.title.get_text()).strip() if soup.title is not None else ""
             _strip_html_noise(soup)
-            markdown = MarkdownConverter(heading_style="ATX").convert_soup(soup)
+            # Links become their text and images nothing: a URL is many tokens of nothing to search by.
+            markdown = MarkdownConverter(heading_style="ATX", strip=["a", "img"]).convert_soup(soup)
         except Exception as error:  # markdownify raises whatever the tree walk raised (RecursionError, ...)
             raise _unreadable(error, "HTML could not be converted") from error
         markdown = re.sub(r"\n{3,}", "\n\n", markdown).strip()
@@ -170,10 +201,14 @@ class Parser:
 
 def _html_soup(text: str) -> BeautifulSoup:
     """The page's tree from lxml (libxml2): linear in the input, where Python's ``html.parser`` is
-    quadratic on runs of unclosed tags or comments."""
-    from bs4 import BeautifulSoup
+    quadratic on runs of unclosed tags or comments. XHTML pages (an ``<?xml`` declaration first, as
+    DocBook writes them) are read as HTML on purpose: the HTML parser forgives what real pages get
+    wrong, so bs4's advice to switch parsers is not logged for each of them."""
+    from bs4 import BeautifulSoup, XMLParsedAsHTMLWarning
 
-    return BeautifulSoup(text, "lxml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", XMLParsedAsHTMLWarning)
+        return BeautifulSoup(text, "lxml")
 
 
 def _strip_html_noise(soup: BeautifulSoup) -> None:
@@ -183,10 +218,53 @@ def _strip_html_noise(soup: BeautifulSoup) -> None:
 
     for element in soup.find_all(_HTML_NOISE):
         element.decompose()
+    for element in soup.find_all(_is_navigation):
+        if not element.decomposed:  # inside a navigation element removed just before
+            element.decompose()
     for node in soup.find_all(
         string=lambda node: isinstance(node, Comment | Declaration | Doctype | ProcessingInstruction)
     ):
         node.extract()
+
+
+def _is_navigation(element: Tag) -> bool:
+    classes = element.get("class") or ()
+    if any(name in _NAV_CLASSES for name in classes):
+        return True
+    if element.get("role") == "navigation":
+        return True
+    summary = element.get("summary")
+    return element.name == "table" and isinstance(summary, str) and bool(_NAV_SUMMARY.match(summary))
+
+
+def clean_markdown(markdown: str) -> str:
+    """Markdown without link targets, images and link definitions; link text stays, and code (fenced
+    blocks and inline spans) is left exactly as written."""
+    lines: list[str] = []
+    in_fence = False
+    for line in markdown.split("\n"):
+        if _MD_FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence:
+            if _MD_DEFINITION.match(line):
+                continue
+            line = _strip_links(line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _strip_links(line: str) -> str:
+    """One line's links and images removed outside its inline code spans."""
+    if "[" not in line and "<" not in line:
+        return line
+    parts: list[str] = []
+    last = 0
+    for code in _MD_INLINE_CODE.finditer(line):
+        parts.append(_MD_LINK.sub(r"\1", _MD_IMAGE.sub("", line[last : code.start()])))
+        parts.append(code.group())
+        last = code.end()
+    parts.append(_MD_LINK.sub(r"\1", _MD_IMAGE.sub("", line[last:])))
+    return "".join(parts)
 
 
 def _unreadable(error: Exception, what: str) -> ParseError:

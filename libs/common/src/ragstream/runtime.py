@@ -86,6 +86,7 @@ class Runtime:
             self.embed,
             self.indexer,
             max_document_bytes=self.settings.max_document_bytes,
+            workers=self.settings.ingest_workers,
             retry=self.stage_retry(),
         )
 

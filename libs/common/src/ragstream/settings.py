@@ -255,6 +255,17 @@ class Settings(BaseSettings):
     parse_workers: Annotated[
         int, Field(title="Parser worker processes", description="Documents parsed at once per process.", ge=1)
     ] = 2
+    ingest_workers: Annotated[
+        int,
+        Field(
+            title="Documents in flight in the embedded pipeline",
+            description=(
+                "Each is parsed, chunked, embedded and committed on its own; enough of them keep the "
+                "embedder's batches full (64 texts for USE, 5 requests of 10 for DashScope)."
+            ),
+            ge=1,
+        ),
+    ] = 24
     hnsw_ef_search: Annotated[int, Field(title="HNSW ef_search for the vector leg", ge=10)] = 100
     # Set any of these five and they serve every embedding space; unset, a space fuses with its stored
     # or measured weights (retrieval/fusion.py), and these defaults (the USE tuning) serve the rest.

@@ -101,9 +101,11 @@ def split_sections(markdown: str) -> list[Section]:
     return sections
 
 
-def to_payloads(pieces: Iterable[Section]) -> list[ChunkPayload]:
+def to_payloads(pieces: Iterable[Section], title: str) -> list[ChunkPayload]:
+    """The non-empty pieces as numbered chunks; text before the page's first heading gets the page's
+    ``title`` as its heading, so the opening chunk (often the page's summary) says what it is about."""
     return [
-        ChunkPayload(ordinal=ordinal, heading=piece.heading, text=piece.text)
+        ChunkPayload(ordinal=ordinal, heading=piece.heading or title[:_MAX_HEADING_CHARS], text=piece.text)
         for ordinal, piece in enumerate(p for p in pieces if p.text.strip())
     ]
 

@@ -32,7 +32,7 @@ class MarkdownChunker:
         """Nothing to load: characters need no tokenizer."""
 
     def run(self, document: ParsedDocument) -> list[ChunkPayload]:
-        return to_payloads(self._splitter.chunk_sections(split_sections(document.markdown)))
+        return to_payloads(self._splitter.chunk_sections(split_sections(document.markdown)), document.title)
 
     async def run_async(self, document: ParsedDocument) -> list[ChunkPayload]:
         return await asyncio.to_thread(self.run, document)

@@ -40,7 +40,7 @@ class RecursiveChunker:
             return sections[index].heading if index >= 0 else ""
 
         spans = self._splitter.split(document.markdown)
-        return to_payloads(Section(heading_at(span.start), span.text, span.start) for span in spans)
+        return to_payloads((Section(heading_at(span.start), span.text, span.start) for span in spans), document.title)
 
     async def run_async(self, document: ParsedDocument) -> list[ChunkPayload]:
         return await asyncio.to_thread(self.run, document)

@@ -161,10 +161,14 @@ class SemanticChunker:
         sentences = [split_sentences(section.text) for section, _ in sections]
         texts = [sentence.text for group in sentences for sentence in group]
         vectors = await self.embedder.embed(texts) if len(texts) > 1 else None
-        return await asyncio.to_thread(self._assemble, sections, sentences, vectors)
+        return await asyncio.to_thread(self._assemble, sections, sentences, vectors, document.title)
 
     def _assemble(
-        self, sections: list[tuple[Section, str]], sentences: list[list[Span]], vectors: Vectors | None
+        self,
+        sections: list[tuple[Section, str]],
+        sentences: list[list[Span]],
+        vectors: Vectors | None,
+        title: str,
     ) -> list[ChunkPayload]:
         # Distances only between neighbours in one section: a heading is a break anyway.
         distances: list[list[float]] = []
@@ -183,7 +187,7 @@ class SemanticChunker:
                     pieces.extend(self._piece(section, lead, group[start], group[i]))
                     start = i + 1
             index += len(group_distances)
-        return to_payloads(pieces)
+        return to_payloads(pieces, title)
 
     def _piece(self, section: Section, lead: str, first: Span, last: Span) -> list[Section]:
         """Sentences ``first`` to ``last`` of a section, split again if over the size; the piece

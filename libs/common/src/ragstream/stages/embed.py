@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from ragstream.contextual import ChunkContextualizer, EmbeddableChunk, TitledChunk
 from ragstream.embedding.base import Embedder
+from ragstream.embedding.coalescing import CoalescingEmbedder, batch_limits
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentChunked, DocumentHeader, pack_vectors
 
@@ -20,7 +21,12 @@ def embedding_text(header: DocumentHeader, chunk: ChunkPayload) -> str:
 
 def embedding_input(title: str, heading: str, text: str, context: str = "") -> str:
     """``embedding_text`` from stored columns: a re-index embeds exactly what ingest did. A contextual
-    retrieval line, when there is one, goes first."""
+    retrieval line, when there is one, goes first.
+
+    A heading path that starts with the title (a page's own heading, or the title the chunker gives the
+    text before the first heading) is the whole path: the title is not said twice."""
+    if title and (heading == title or heading.startswith(f"{title} > ")):
+        title = ""
     path = " > ".join(part for part in (title, heading) if part)
     body = f"{path}\n{text}" if path else text
     return f"{context}\n{body}" if context else body
@@ -37,6 +43,17 @@ async def embedding_inputs(chunks: Sequence[EmbeddableChunk], contextualizer: Ch
 
 
 class EmbedService:
+    """Embeds one chunk batch with its connection's model.
+
+    Concurrent ``run`` calls (the embedded pipeline's workers, a service's concurrent messages)
+    share the provider's calls: each model's embedder is wrapped in a ``CoalescingEmbedder`` that
+    packs the chunks of many documents into the provider's best batch size, while each batch still
+    comes back on its own and is committed by its own document's transaction.
+
+    Usage:
+        embedded = await EmbedService(embedder, spaces).run(chunked)   # -> ChunksEmbedded
+    """
+
     def __init__(
         self,
         embedder: Embedder,
@@ -49,6 +66,17 @@ class EmbedService:
         self._embedder = embedder
         self._spaces = spaces
         self._contextualizer = contextualizer
+        self._coalescers: dict[str, CoalescingEmbedder] = {}
+
+    def _shared(self, embedder: Embedder) -> Embedder:
+        """``embedder`` behind the coalescer of its model, or as is when it declares no batch limits."""
+        limits = batch_limits(embedder)
+        if limits is None:
+            return embedder
+        coalescer = self._coalescers.get(embedder.model_key)
+        if coalescer is None or coalescer.inner is not embedder:
+            coalescer = self._coalescers[embedder.model_key] = CoalescingEmbedder(embedder, limits)
+        return coalescer
 
     async def run(self, message: DocumentChunked) -> ChunksEmbedded:
         if self._spaces is None:
@@ -57,7 +85,7 @@ class EmbedService:
             embedder = (await self._spaces.for_connection(message.header.connection_id)).embedder
         title = message.header.title
         chunks = [TitledChunk(title, chunk.heading, chunk.text) for chunk in message.chunks]
-        vectors = await embedder.embed(await embedding_inputs(chunks, self._contextualizer))
+        vectors = await self._shared(embedder).embed(await embedding_inputs(chunks, self._contextualizer))
         return ChunksEmbedded(
             header=message.header,
             batch_index=message.batch_index,
