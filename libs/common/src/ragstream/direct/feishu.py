@@ -50,21 +50,6 @@ class FeishuSearcher:
         )
         return cls(client, settings.space_ids, name)
 
-    @classmethod
-    def lark_from_connection(
-        cls,
-        connection_id: str,
-        name: str,
-        config: Mapping[str, Any],
-        credentials: Mapping[str, SecretStr],
-        *,
-        timeout_s: float,
-        retry: RetryPolicy,
-    ) -> FeishuSearcher:
-        return cls.from_connection(
-            connection_id, name, config, credentials, timeout_s=timeout_s, retry=retry, platform="lark"
-        )
-
     async def aclose(self) -> None:
         await self._client.aclose()
 

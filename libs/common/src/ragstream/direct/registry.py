@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ _Builder = Callable[..., PlatformSearcher]
 _BUILDERS: dict[str, _Builder] = {
     "dingtalk": DingTalkSearcher.from_connection,
     "feishu": FeishuSearcher.from_connection,
-    "lark": FeishuSearcher.lark_from_connection,
+    "lark": functools.partial(FeishuSearcher.from_connection, platform="lark"),
     "yuque": YuqueSearcher.from_connection,
     "ima": ImaSearcher.from_connection,
 }

@@ -14,7 +14,7 @@ from pydantic import SecretStr
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.retrieval.models import SearchFilters
 
-__all__ = ["DirectConnection", "DirectConnectionStore"]
+__all__ = ["DirectConnection", "DirectConnectionStore", "readable_connection"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +54,7 @@ class DirectConnectionStore:
         return [self._connection(row) for row in rows]
 
     def _connection(self, row: asyncpg.Record) -> DirectConnection:
-        raw = row["config"]
-        config = json.loads(raw) if isinstance(raw, str) else dict(raw or {})
-        credentials: dict[str, SecretStr] = {}
-        unreadable = None
-        if row["credentials"] is not None:
-            try:
-                credentials = self._cipher.decrypt(bytes(row["credentials"]))
-            except (CredentialKeyMissing, CredentialsUnreadable):
-                unreadable = "its credentials cannot be decrypted with the configured keys"
+        config, credentials, unreadable = readable_connection(row, self._cipher)
         return DirectConnection(
             id=row["id"],
             platform=row["platform"],
@@ -73,3 +65,20 @@ class DirectConnectionStore:
             credentials=credentials,
             unreadable=unreadable,
         )
+
+
+def readable_connection(
+    row: asyncpg.Record, cipher: CredentialCipher
+) -> tuple[dict[str, Any], dict[str, SecretStr], str | None]:
+    """A connection row's config and decrypted credentials, and why the credentials cannot be read
+    (None when they can): a key rotated away leaves the connection listed, with that reason."""
+    raw = row["config"]
+    config = json.loads(raw) if isinstance(raw, str) else dict(raw or {})
+    credentials: dict[str, SecretStr] = {}
+    unreadable = None
+    if row["credentials"] is not None:
+        try:
+            credentials = cipher.decrypt(bytes(row["credentials"]))
+        except (CredentialKeyMissing, CredentialsUnreadable):
+            unreadable = "its credentials cannot be decrypted with the configured keys"
+    return config, credentials, unreadable

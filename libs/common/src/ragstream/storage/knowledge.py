@@ -3,14 +3,14 @@ indexed document, and each conversation's run of searches without a result."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 from pydantic import SecretStr
 
-from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
+from ragstream.credentials import CredentialCipher
+from ragstream.storage.direct_connections import readable_connection
 
 __all__ = ["IndexedOrigin", "KnowledgeConnection", "KnowledgeStore"]
 
@@ -84,15 +84,7 @@ class KnowledgeStore:
         return int(count)
 
     def _connection(self, row: asyncpg.Record) -> KnowledgeConnection:
-        raw = row["config"]
-        config = json.loads(raw) if isinstance(raw, str) else dict(raw or {})
-        credentials: dict[str, SecretStr] = {}
-        unreadable = None
-        if row["credentials"] is not None:
-            try:
-                credentials = self._cipher.decrypt(bytes(row["credentials"]))
-            except (CredentialKeyMissing, CredentialsUnreadable):
-                unreadable = "its credentials cannot be decrypted with the configured keys"
+        config, credentials, unreadable = readable_connection(row, self._cipher)
         return KnowledgeConnection(
             id=row["id"],
             platform=row["platform"],
