@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import statistics
@@ -29,14 +28,13 @@ from typing import Any
 import asyncpg
 import numpy as np
 
-from bench.quality import TOP, Query, answers_of, database, load_data, score
+from bench.quality import TOP, Query, answer_header, answers_of, database, load_data, score
 from ragstream.chunking import MarkdownChunker
-from ragstream.messages import DocumentHeader
 from ragstream.parsing import Parser
 from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
 from ragstream.storage.database import connect_pool
-from ragstream.storage.documents import DocumentStore, document_id
+from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import Hit, SearchStore
@@ -67,16 +65,7 @@ async def ingest(pool: asyncpg.Pool, answers: dict[str, str], workers: int = 4) 
             content = answers[key].encode()
             parsed = parser.run(content, "text/plain", "")
             chunks = chunker.run(parsed)
-            header = DocumentHeader(
-                document_id=document_id(CONNECTION, key),
-                connection_id=CONNECTION,
-                external_id=key,
-                version=await store.next_version(),
-                content_hash=hashlib.sha256(content).hexdigest(),
-                title=parsed.title,
-                source=f"answers/{key}",
-                media_type="text/plain",
-            )
+            header = await answer_header(store, key, content, parsed.title)
             await store.commit_document(header, chunks, np.repeat(vector, len(chunks), axis=0), PLACEHOLDER_MODEL)
             left = queue.qsize()
             if left % 2000 == 0:

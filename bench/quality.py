@@ -125,6 +125,20 @@ def load_data(
 # ------------------------------------------------------------------------------------------- ingest
 
 
+async def answer_header(store: DocumentStore, key: str, content: bytes, title: str) -> DocumentHeader:
+    """The header of one InsuranceQA answer, a document of its own."""
+    return DocumentHeader(
+        document_id=document_id(CONNECTION, key),
+        connection_id=CONNECTION,
+        external_id=key,
+        version=await store.next_version(),
+        content_hash=hashlib.sha256(content).hexdigest(),
+        title=title,
+        source=f"answers/{key}",
+        media_type="text/plain",
+    )
+
+
 async def ingest(pool: asyncpg.Pool, embedder: Embedder, answers: dict[str, str], batch: int = 256) -> float:
     """Index the answers not indexed yet; returns the seconds spent (0 when all were there)."""
     store = DocumentStore(pool)
@@ -146,16 +160,7 @@ async def ingest(pool: asyncpg.Pool, embedder: Embedder, answers: dict[str, str]
         for key in todo[start : start + batch]:
             content = answers[key].encode()
             parsed = parser.run(content, "text/plain", "")
-            header = DocumentHeader(
-                document_id=document_id(CONNECTION, key),
-                connection_id=CONNECTION,
-                external_id=key,
-                version=await store.next_version(),
-                content_hash=hashlib.sha256(content).hexdigest(),
-                title=parsed.title,
-                source=f"answers/{key}",
-                media_type="text/plain",
-            )
+            header = await answer_header(store, key, content, parsed.title)
             documents.append((header, chunker.run(parsed)))
         texts = [embedding_text(header, chunk) for header, chunks in documents for chunk in chunks]
         vectors = await embedder.embed(texts)  # overlaps with the commit of the previous batch
