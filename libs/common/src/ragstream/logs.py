@@ -1,0 +1,175 @@
+"""Logging of every ragstream process: one stderr handler, text or JSON lines, with the ids of the work at hand.
+
+Each entry point (the ``ragstream`` commands, the services' app factories) calls
+:func:`configure_logging` once; calling it again replaces its handler rather than adding one.
+Code that knows which connection, document or run it works on wraps that work in
+:func:`log_context`; every record logged inside, by any logger, carries those ids::
+
+    with log_context(connection_id=run.connection_id, run_id=run.id):
+        await runner.execute(run)          # each record: connection_id=..., run_id=...
+
+The text format shows them as ``[conn=… doc=… run=…]`` after the logger name; the JSON format
+writes one object per line with ``time``, ``level``, ``logger``, ``message``, ``exception`` (when
+there is one) and each id that is set. The context lives in a :mod:`contextvars` variable, so each
+asyncio task sees the ids of the block it runs in, and tasks it starts inherit them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from types import MappingProxyType
+from typing import Protocol, TextIO, TypeVar
+
+from ragstream.settings import LogSettings
+
+__all__ = [
+    "CONTEXT_FIELDS",
+    "ContextFilter",
+    "JsonFormatter",
+    "TextFormatter",
+    "configure_logging",
+    "current_context",
+    "log_context",
+    "with_document_log_context",
+]
+
+CONTEXT_FIELDS = ("connection_id", "document_id", "run_id")
+"""The ids :func:`log_context` sets, as record attributes and JSON fields."""
+
+_TEXT_LABELS = {"connection_id": "conn", "document_id": "doc", "run_id": "run"}
+_UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+_context: ContextVar[Mapping[str, str]] = ContextVar("ragstream_log_context", default=_EMPTY)
+
+
+@contextmanager
+def log_context(
+    *, connection_id: str | None = None, document_id: str | None = None, run_id: str | None = None
+) -> Iterator[None]:
+    """Put the given ids on every record logged inside the block; ids not given (None) keep the
+    values of an enclosing block."""
+    given = {"connection_id": connection_id, "document_id": document_id, "run_id": run_id}
+    merged = {**_context.get(), **{name: value for name, value in given.items() if value is not None}}
+    token = _context.set(MappingProxyType(merged))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+class _DocumentIds(Protocol):
+    @property
+    def connection_id(self) -> str: ...
+
+    @property
+    def document_id(self) -> str: ...
+
+
+class _DocumentMessage(Protocol):
+    @property
+    def header(self) -> _DocumentIds: ...
+
+
+_Handler = TypeVar("_Handler")
+_Message = TypeVar("_Message", bound=_DocumentMessage)
+_Result = TypeVar("_Result")
+
+
+def with_document_log_context(
+    method: Callable[[_Handler, _Message], Awaitable[_Result]],
+) -> Callable[[_Handler, _Message], Awaitable[_Result]]:
+    """Decorate a stage's ``async def run(self, message)``: the call runs in a :func:`log_context`
+    of the connection and document ids of ``message.header``."""
+
+    @functools.wraps(method)
+    async def run(handler: _Handler, message: _Message) -> _Result:
+        header = message.header
+        with log_context(connection_id=header.connection_id, document_id=header.document_id):
+            return await method(handler, message)
+
+    return run
+
+
+def current_context() -> Mapping[str, str]:
+    """The ids set by the enclosing :func:`log_context` blocks (empty outside any)."""
+    return _context.get()
+
+
+class ContextFilter(logging.Filter):
+    """Sets each of :data:`CONTEXT_FIELDS` on the record (None when unset) and ``context``, the
+    ``[conn=… doc=…]`` text of those set (empty outside any :func:`log_context`). Never drops a record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = current_context()
+        for name in CONTEXT_FIELDS:
+            setattr(record, name, context.get(name))
+        shown = " ".join(f"{_TEXT_LABELS[name]}={context[name]}" for name in CONTEXT_FIELDS if name in context)
+        record.context = f" [{shown}]" if shown else ""
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """Human lines: ``2026-12-02 12:00:00,123 WARNING ragstream.service [conn=… doc=…]: message``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(context)s: %(message)s")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
+    ``exception`` (the formatted traceback, when the record has one) and each context id that is set."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, str] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exception"] = record.exc_text
+        for name in CONTEXT_FIELDS:
+            if (value := getattr(record, name, None)) is not None:
+                line[name] = value
+        return json.dumps(line, ensure_ascii=False)
+
+
+class _StderrHandler(logging.StreamHandler[TextIO]):
+    """Writes to whatever ``sys.stderr`` is at the time of each record, so a stream swapped in
+    later (a test runner's capture) is followed rather than written to after it closed."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # not setStream: that flushes the previous stream, which may be closed
+        super().emit(record)
+
+
+def configure_logging(settings: LogSettings | None = None) -> logging.Handler:
+    """Route every record to stderr in the format and from the level of ``settings`` (default: the
+    environment's ``RAGSTREAM_LOG_*``), uvicorn's own loggers included. Idempotent: the handler of an
+    earlier call is replaced, other handlers on the root logger are left alone. Returns the handler."""
+    settings = settings or LogSettings()
+    root = logging.getLogger()
+    for handler in [handler for handler in root.handlers if isinstance(handler, _StderrHandler)]:
+        root.removeHandler(handler)
+    handler = _StderrHandler()
+    handler.addFilter(ContextFilter())
+    handler.setFormatter(JsonFormatter() if settings.format == "json" else TextFormatter())
+    root.addHandler(handler)
+    root.setLevel(settings.level)
+    for name in _UVICORN_LOGGERS:  # uvicorn configures its own handlers before it builds the app
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers.clear()
+        uvicorn_logger.propagate = True
+    return handler
