@@ -40,6 +40,7 @@ def json_lines(text: str) -> list[dict[str, str]]:
 
 def test_json_lines_carry_the_context_ids_inside_log_context_only(capsys: pytest.CaptureFixture[str]) -> None:
     configure_logging(LogSettings(format="json"))
+    logging.getLogger("httpx").info("HTTP Request: GET https://vendor.example/?token=secret")  # only from DEBUG
     logger.info("before")
     with log_context(connection_id="conn-1", run_id="run-7"):
         with log_context(document_id="doc-3"):

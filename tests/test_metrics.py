@@ -17,6 +17,8 @@ from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncRunStore
 from ragstream.embedded import api_app
 from ragstream.runtime import Runtime
+from ragstream.service import create_service_app
+from ragstream.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -83,3 +85,14 @@ async def test_ingest_and_search_move_the_production_series(
     assert moved(before, after, "ragstream_search_rejections_total", reason="queue_full") == 1
     assert moved(before, after, "ragstream_search_seconds_count") == 1
     assert moved(before, after, "ragstream_db_pool_wait_seconds_count") > 0
+
+
+async def test_a_stage_service_serves_the_same_exposition_and_openmetrics_on_request() -> None:
+    service = create_service_app("chunker", lambda broker, options: None, settings=Settings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=service), base_url="http://test") as client:
+        text = await client.get("/metrics")
+        openmetrics = await client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "# TYPE ragstream_documents_indexed_total counter" in text.text
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.endswith("# EOF\n")

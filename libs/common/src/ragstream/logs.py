@@ -45,6 +45,8 @@ CONTEXT_FIELDS = ("connection_id", "document_id", "run_id")
 
 _TEXT_LABELS = {"connection_id": "conn", "document_id": "doc", "run_id": "run"}
 _UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+# They log every request's URL at INFO; a vendor's may carry a token in its query: only from DEBUG.
+_REQUEST_LOGGERS = ("httpx", "httpcore")
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _context: ContextVar[Mapping[str, str]] = ContextVar("ragstream_log_context", default=_EMPTY)
 
@@ -168,6 +170,8 @@ def configure_logging(settings: LogSettings | None = None) -> logging.Handler:
     handler.setFormatter(JsonFormatter() if settings.format == "json" else TextFormatter())
     root.addHandler(handler)
     root.setLevel(settings.level)
+    for name in _REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if settings.level == "DEBUG" else logging.WARNING)
     for name in _UVICORN_LOGGERS:  # uvicorn configures its own handlers before it builds the app
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers.clear()
