@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -151,3 +152,27 @@ def test_uvicorn_records_go_through_the_same_handler(capsys: pytest.CaptureFixtu
         uvicorn_logger.warning("from uvicorn")
     (line,) = json_lines(capsys.readouterr().err)
     assert (line["logger"], line["message"], line["connection_id"]) == ("uvicorn.error", "from uvicorn", "conn-1")
+
+
+def test_faststream_records_carry_the_kafka_message(capsys: pytest.CaptureFixture[str]) -> None:
+    faststream_logger = logging.getLogger("faststream")
+    faststream_logger.addHandler(logging.StreamHandler(sys.stdout))  # as FastStream leaves it at import
+    faststream_logger.propagate = False
+    configure_logging(LogSettings(format="json"))
+    message = {"topic": "doc.changed", "group_id": "ragstream-chunker", "message_id": "4f2a9c"}
+    with log_context(document_id="doc-3"):
+        logging.getLogger("ragstream.kafka.messages").info("Received", extra=message)
+    faststream_logger.info("FastStream app started")
+    captured = capsys.readouterr()
+    received, started = json_lines(captured.err)
+    assert received == received | message | {"document_id": "doc-3", "message": "Received"}
+    assert started["logger"] == "faststream" and "topic" not in started
+    assert captured.out == ""
+
+    configure_logging(LogSettings(format="text"))
+    logging.getLogger("ragstream.kafka.messages").info("Processed", extra=message)
+    assert (
+        capsys.readouterr()
+        .err.rstrip()
+        .endswith(" INFO ragstream.kafka.messages [topic=doc.changed group=ragstream-chunker msg=4f2a9c]: Processed")
+    )

@@ -10,8 +10,10 @@ Code that knows which connection, document or run it works on wraps that work in
 
 The text format shows them as ``[conn=… doc=… run=…]`` after the logger name; the JSON format
 writes one object per line with ``time``, ``level``, ``logger``, ``message``, ``exception`` (when
-there is one) and each id that is set. The context lives in a :mod:`contextvars` variable, so each
-asyncio task sees the ids of the block it runs in, and tasks it starts inherit them.
+there is one) and each id that is set. FastStream's records of a Kafka message (received, processed,
+failed) add its ``topic``, ``group_id`` and ``message_id`` the same way. The context lives in a
+:mod:`contextvars` variable, so each asyncio task sees the ids of the block it runs in, and tasks it
+starts inherit them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ragstream.settings import LogSettings
 
 __all__ = [
     "CONTEXT_FIELDS",
+    "MESSAGE_FIELDS",
     "ContextFilter",
     "JsonFormatter",
     "TextFormatter",
@@ -43,8 +46,19 @@ __all__ = [
 CONTEXT_FIELDS = ("connection_id", "document_id", "run_id")
 """The ids :func:`log_context` sets, as record attributes and JSON fields."""
 
-_TEXT_LABELS = {"connection_id": "conn", "document_id": "doc", "run_id": "run"}
-_UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+MESSAGE_FIELDS = ("topic", "group_id", "message_id")
+"""The Kafka message a FastStream record is about, when it says (its ``extra``)."""
+
+_TEXT_LABELS = {
+    "connection_id": "conn",
+    "document_id": "doc",
+    "run_id": "run",
+    "topic": "topic",
+    "group_id": "group",
+    "message_id": "msg",
+}
+# Libraries that give their loggers handlers of their own, before the app is built.
+_LIBRARY_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "faststream")
 # They log every request's URL at INFO; a vendor's may carry a token in its query: only from DEBUG.
 _REQUEST_LOGGERS = ("httpx", "httpcore")
 _EMPTY: Mapping[str, str] = MappingProxyType({})
@@ -104,16 +118,23 @@ def current_context() -> Mapping[str, str]:
     return _context.get()
 
 
+def _fields(record: logging.LogRecord) -> dict[str, str]:
+    """The ids of :func:`log_context` and the message fields of ``record`` that are set, in order."""
+    context = current_context()
+    fields = {name: context[name] for name in CONTEXT_FIELDS if name in context}
+    fields.update((name, str(value)) for name in MESSAGE_FIELDS if (value := getattr(record, name, None)))
+    return fields
+
+
 class ContextFilter(logging.Filter):
-    """Sets each of :data:`CONTEXT_FIELDS` on the record (None when unset) and ``context``, the
-    ``[conn=… doc=…]`` text of those set (empty outside any :func:`log_context`). Never drops a record."""
+    """Sets ``ragstream_fields`` on the record (:func:`_fields`) and ``ragstream_context``, their
+    ``[conn=… doc=…]`` text (empty when there are none). Never drops a record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        context = current_context()
-        for name in CONTEXT_FIELDS:
-            setattr(record, name, context.get(name))
-        shown = " ".join(f"{_TEXT_LABELS[name]}={context[name]}" for name in CONTEXT_FIELDS if name in context)
-        record.context = f" [{shown}]" if shown else ""
+        fields = _fields(record)
+        record.ragstream_fields = fields
+        shown = " ".join(f"{_TEXT_LABELS[name]}={value}" for name, value in fields.items())
+        record.ragstream_context = f" [{shown}]" if shown else ""
         return True
 
 
@@ -121,12 +142,13 @@ class TextFormatter(logging.Formatter):
     """Human lines: ``2026-12-02 12:00:00,123 WARNING ragstream.service [conn=… doc=…]: message``."""
 
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s%(context)s: %(message)s")
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(ragstream_context)s: %(message)s")
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
-    ``exception`` (the formatted traceback, when the record has one) and each context id that is set."""
+    ``exception`` (the formatted traceback, when the record has one), each context id that is set and,
+    for FastStream's records, the Kafka message's ``topic``, ``group_id`` and ``message_id``."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, str] = {
@@ -139,9 +161,7 @@ class JsonFormatter(logging.Formatter):
             line["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             line["exception"] = record.exc_text
-        for name in CONTEXT_FIELDS:
-            if (value := getattr(record, name, None)) is not None:
-                line[name] = value
+        line.update(getattr(record, "ragstream_fields", {}))
         return json.dumps(line, ensure_ascii=False)
 
 
@@ -159,7 +179,7 @@ class _StderrHandler(logging.StreamHandler[TextIO]):
 
 def configure_logging(settings: LogSettings | None = None) -> logging.Handler:
     """Route every record to stderr in the format and from the level of ``settings`` (default: the
-    environment's ``RAGSTREAM_LOG_*``), uvicorn's own loggers included. Idempotent: the handler of an
+    environment's ``RAGSTREAM_LOG_*``), uvicorn's and FastStream's included. Idempotent: the handler of an
     earlier call is replaced, other handlers on the root logger are left alone. Returns the handler."""
     settings = settings or LogSettings()
     root = logging.getLogger()
@@ -172,8 +192,8 @@ def configure_logging(settings: LogSettings | None = None) -> logging.Handler:
     root.setLevel(settings.level)
     for name in _REQUEST_LOGGERS:
         logging.getLogger(name).setLevel(logging.DEBUG if settings.level == "DEBUG" else logging.WARNING)
-    for name in _UVICORN_LOGGERS:  # uvicorn configures its own handlers before it builds the app
-        uvicorn_logger = logging.getLogger(name)
-        uvicorn_logger.handlers.clear()
-        uvicorn_logger.propagate = True
+    for name in _LIBRARY_LOGGERS:
+        library_logger = logging.getLogger(name)
+        library_logger.handlers.clear()
+        library_logger.propagate = True
     return handler
