@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -16,9 +17,13 @@ from ragstream.connectors.folder import FolderConnector
 from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncRunStore
 from ragstream.embedded import api_app
+from ragstream.metrics import exposition
+from ragstream.retrieval import HybridRetriever, SearchRequest
 from ragstream.runtime import Runtime
 from ragstream.service import create_service_app
 from ragstream.settings import Settings
+from ragstream.storage.database import DatabaseBusy
+from tests.test_grpc_api import BrokenRetriever, message_of, serving
 
 pytestmark = pytest.mark.integration
 
@@ -45,14 +50,18 @@ async def embedded(runtime: Runtime, admission: SearchAdmission) -> AsyncIterato
         await rechunker.aclose()
 
 
+def samples(text: str) -> Samples:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 async def scrape(client: httpx.AsyncClient) -> Samples:
     response = await client.get("/metrics")
     assert response.status_code == 200
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
+    return samples(response.text)
 
 
 def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
@@ -96,3 +105,20 @@ async def test_a_stage_service_serves_the_same_exposition_and_openmetrics_on_req
     assert "# TYPE ragstream_documents_indexed_total counter" in text.text
     assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
     assert openmetrics.text.endswith("# EOF\n")
+
+
+async def test_grpc_searches_are_counted_by_outcome(runtime: Runtime) -> None:
+    request = message_of(SearchRequest(query="annual leave"))
+
+    async def search(retriever: HybridRetriever | BrokenRetriever) -> None:
+        async with serving(lambda: retriever) as served:
+            await served.stub.Search(request, timeout=30)
+
+    before = samples(exposition(None)[0].decode())
+    await search(runtime.retriever)
+    for error in (DatabaseBusy("no connection"), RuntimeError("boom")):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await search(BrokenRetriever(error))
+    after = samples(exposition(None)[0].decode())
+    for outcome in ("ok", "db_busy", "error"):
+        assert moved(before, after, "ragstream_search_requests_total", api="grpc", outcome=outcome) == 1, outcome
