@@ -12,7 +12,15 @@ import pytest
 from typer.testing import CliRunner
 
 from ragstream.cli import app as cli
-from ragstream.logs import configure_logging, current_context, log_context, with_document_log_context
+from ragstream.logs import (
+    ContextFilter,
+    JsonFormatter,
+    TextFormatter,
+    configure_logging,
+    current_context,
+    log_context,
+    with_document_log_context,
+)
 from ragstream.messages import DocumentChanged, DocumentHeader
 from ragstream.service import create_service_app
 from ragstream.settings import LogSettings, Settings
@@ -32,7 +40,7 @@ def root_logger() -> Iterator[logging.Logger]:
 
 def ours(root: logging.Logger) -> list[logging.Handler]:
     """The handlers ``configure_logging`` installed (pytest keeps its own capture handlers beside them)."""
-    return [handler for handler in root.handlers if type(handler).__name__ == "_StderrHandler"]
+    return [handler for handler in root.handlers if any(isinstance(f, ContextFilter) for f in handler.filters)]
 
 
 def json_lines(text: str) -> list[dict[str, str]]:
@@ -131,7 +139,7 @@ def test_the_cli_configures_logging_once_however_often_it_runs(
         result = runner.invoke(cli, ["credentials", "--help"])
         assert result.exit_code == 0, result.output
     (handler,) = ours(root_logger)
-    assert type(handler.formatter).__name__ == "JsonFormatter"
+    assert isinstance(handler.formatter, JsonFormatter)
     assert root_logger.level == logging.INFO
 
 
@@ -140,7 +148,7 @@ def test_a_service_factory_configures_logging_once(root_logger: logging.Logger) 
     for _ in range(2):
         create_service_app("chunker", lambda broker, options: None, settings=settings)
     (handler,) = ours(root_logger)
-    assert type(handler.formatter).__name__ == "TextFormatter"
+    assert isinstance(handler.formatter, TextFormatter)
     assert root_logger.level == logging.DEBUG
 
 
