@@ -142,7 +142,8 @@ class TextFormatter(logging.Formatter):
     """Human lines: ``2026-12-02 12:00:00,123 WARNING ragstream.service [conn=… doc=…]: message``."""
 
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s%(ragstream_context)s: %(message)s")
+        line = "%(asctime)s %(levelname)s %(name)s%(ragstream_context)s: %(message)s"
+        super().__init__(line, defaults={"ragstream_context": ""})  # a record the filter did not see
 
 
 class JsonFormatter(logging.Formatter):
@@ -177,10 +178,10 @@ class _StderrHandler(logging.StreamHandler[TextIO]):
         super().emit(record)
 
 
-def configure_logging(settings: LogSettings | None = None) -> logging.Handler:
+def configure_logging(settings: LogSettings | None = None) -> None:
     """Route every record to stderr in the format and from the level of ``settings`` (default: the
-    environment's ``RAGSTREAM_LOG_*``), uvicorn's and FastStream's included. Idempotent: the handler of an
-    earlier call is replaced, other handlers on the root logger are left alone. Returns the handler."""
+    environment's ``RAGSTREAM_LOG_*``), uvicorn's and FastStream's included. Idempotent: the handler
+    of an earlier call is replaced, other handlers on the root logger are left alone."""
     settings = settings or LogSettings()
     root = logging.getLogger()
     for handler in [handler for handler in root.handlers if isinstance(handler, _StderrHandler)]:
@@ -196,4 +197,3 @@ def configure_logging(settings: LogSettings | None = None) -> logging.Handler:
         library_logger = logging.getLogger(name)
         library_logger.handlers.clear()
         library_logger.propagate = True
-    return handler
