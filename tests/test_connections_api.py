@@ -127,6 +127,10 @@ async def test_crud_round_trip(client: httpx.AsyncClient, hooks: Hooks, corpus: 
         {"platform": "feishu", "name": "x", "schedule_seconds": -1},
         {"platform": "feishu", "name": "x", "credentials": {"token": 5}},
         {"platform": "feishu", "name": "x", "config": {"chunking": {"kind": "bogus"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "bogus"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "openai", "model": "m"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "local", "model": "bge-m3"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "dashscope", "dimension": 0}}},
         {"platform": "feishu", "name": "x", "unknown": True},
     ],
 )
