@@ -15,12 +15,12 @@ import httpx
 from ragstream.embedding._http import (
     ErrorInfo,
     RemoteEmbeddingClient,
-    RetryPolicy,
     assemble_vectors,
     embed_in_batches,
 )
 from ragstream.embedding.base import TextKind, Vectors
 from ragstream.embedding.coalescing import BatchLimits
+from ragstream.vendor_http import RetryPolicy
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -73,9 +73,10 @@ class DashScopeEmbedder:
     """Embeds through DashScope in batches of at most 10 texts, a few requests at a time.
 
     Throttling (429, or a ``Throttling*`` code under any status), 408, 5xx, timeouts and dropped
-    connections are retried with jittered exponential backoff; anything else (bad key, bad
-    parameter, content inspection) fails at once because waiting cannot fix it. ``backoff_*`` exist
-    so tests and latency-sensitive callers can shrink the waits.
+    connections are retried with jittered exponential backoff, or after the ``Retry-After`` the
+    service sent (up to a minute); anything else (bad key, bad parameter, content inspection) fails
+    at once because waiting cannot fix it. ``backoff_*`` exist so tests and latency-sensitive
+    callers can shrink the waits.
     """
 
     def __init__(

@@ -16,12 +16,12 @@ import httpx
 from ragstream.embedding._http import (
     ErrorInfo,
     RemoteEmbeddingClient,
-    RetryPolicy,
     assemble_vectors,
     embed_in_batches,
 )
 from ragstream.embedding.base import TextKind, Vectors
 from ragstream.embedding.coalescing import BatchLimits
+from ragstream.vendor_http import RetryPolicy
 
 __all__ = ["OpenAICompatibleEmbedder", "parse_openai_error"]
 
