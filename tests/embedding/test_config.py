@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -27,9 +28,17 @@ from ragstream.settings import EmbeddingProvider, EmbeddingSettings
 KEYED = ProcessResources(SecretStr("sk-process-key"), threads=1, model_dir=Path("/nonexistent"))
 
 
+PROVIDERS = {variant.model_fields["provider"].default for variant in get_args(get_args(EmbedderConfig)[0])}
+
+
 def test_every_provider_of_the_settings_has_a_config_and_no_other() -> None:
-    variants = get_args(get_args(EmbedderConfig)[0])
-    assert {variant.model_fields["provider"].default for variant in variants} == set(get_args(EmbeddingProvider))
+    assert set(get_args(EmbeddingProvider)) == PROVIDERS
+
+
+def test_the_readme_table_lists_every_provider_and_no_other() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| `provider` |", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"^\| `(\w+)`", table, re.MULTILINE)) == PROVIDERS
 
 
 @pytest.mark.parametrize(
