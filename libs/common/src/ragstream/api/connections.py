@@ -20,7 +20,7 @@ from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import INDEXABLE_PLATFORMS
 from ragstream.credentials import CredentialKeyMissing
-from ragstream.embedding.config import EmbedderConfig
+from ragstream.embedding.config import EmbedderConfig, stored_embedder
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
 from ragstream.reindex import ReindexBusy, UnknownConnection
@@ -292,6 +292,16 @@ def connections_router(
         except ValidationError:  # unreadable: any valid config given is a change
             return None
 
+    def same_embedding(connection: Connection, given: EmbedderConfig | None) -> bool:
+        """Whether ``given`` is the connection's model as stored; an unreadable stored one never is."""
+        stored = connection.config.get("embedding")
+        if stored is None or given is None:
+            return stored is None and given is None
+        try:
+            return isinstance(stored, dict) and stored_embedder(stored) == given
+        except ValueError:
+            return False
+
     def not_found(connection_id: str) -> HTTPException:
         return HTTPException(status_code=404, detail=f"connection {connection_id!r} not found")
 
@@ -308,8 +318,7 @@ def connections_router(
     async def change_embedding(connection_id: str, current: Connection, config: ConnectionConfig) -> None:
         """Start the re-index when the embedding model given differs from the connection's."""
         assert on_embedding_changed is not None
-        wanted = config.embedding.spec() if config.embedding is not None else None
-        if current.config.get("embedding") == wanted:
+        if same_embedding(current, config.embedding):
             return
         try:
             await on_embedding_changed(connection_id, config.embedding.spec() if config.embedding else None)
