@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from ragstream.embedding._http import RemoteEmbeddingClient
+from ragstream.embedding._http import ModelApiClient
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.openai_compatible import parse_openai_error
 from ragstream.vendor_http import RetryPolicy
@@ -63,7 +63,7 @@ class ChatClient:
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.model = model
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=provider,
             base_url=base_url,
             headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},

@@ -4,7 +4,7 @@ and vector checks, over ``ragstream.vendor_http`` (the one client connectors use
 Each provider module only knows its wire format (request body, where the vectors and the error code
 sit); how requests are sent (how many at once, the retry loop with the platform's ``Retry-After``,
 timeouts, redaction) is ``VendorHttp``'s, and turning an answer into unit vectors lives here once.
-The embedders, the reranker and the chat client each send through a ``RemoteEmbeddingClient``.
+The embedders, the reranker and the chat client each send through a ``ModelApiClient``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = [
     "THROTTLING_CODES",
     "ErrorInfo",
     "ErrorParser",
-    "RemoteEmbeddingClient",
+    "ModelApiClient",
     "assemble_vectors",
     "embed_in_batches",
     "is_retryable",
@@ -72,7 +72,7 @@ def is_retryable(info: ErrorInfo) -> bool:
     return info.status in _RETRYABLE_STATUSES or info.status >= 500
 
 
-class RemoteEmbeddingClient:
+class ModelApiClient:
     """One model API connection: JSON posts through a ``VendorHttp`` (pool opened on first use, at most
     ``max_concurrency`` requests in flight across every concurrent call, the retry loop), with the
     provider's error body read into an ``EmbeddingError`` that never carries a secret.

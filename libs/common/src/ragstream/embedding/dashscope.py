@@ -14,7 +14,7 @@ import httpx
 
 from ragstream.embedding._http import (
     ErrorInfo,
-    RemoteEmbeddingClient,
+    ModelApiClient,
     assemble_vectors,
     embed_in_batches,
 )
@@ -105,7 +105,7 @@ class DashScopeEmbedder:
         self._batch_size = batch_size
         # Requests filled to the batch limit across documents, as many at once as the client allows.
         self.batch_limits = BatchLimits(batch_size=batch_size, max_in_flight=max_concurrency)
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=_PROVIDER,
             base_url=base_url,
             headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},

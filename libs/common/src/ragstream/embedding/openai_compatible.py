@@ -15,7 +15,7 @@ import httpx
 
 from ragstream.embedding._http import (
     ErrorInfo,
-    RemoteEmbeddingClient,
+    ModelApiClient,
     assemble_vectors,
     embed_in_batches,
 )
@@ -105,7 +105,7 @@ class OpenAICompatibleEmbedder:
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=_PROVIDER,
             base_url=base_url,
             headers=headers,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import httpx
 
-from ragstream.embedding._http import RemoteEmbeddingClient
+from ragstream.embedding._http import ModelApiClient
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL, parse_native_error
 from ragstream.vendor_http import RetryPolicy
@@ -93,7 +93,7 @@ class DashScopeReranker:
         # The embedders' client is reused for its retries, concurrency cap and key redaction; its
         # errors are EmbeddingError and become RerankError at this module's edge. A platform's
         # Retry-After is honoured only up to ``backoff_max_s``: the retriever waits seconds, not minutes.
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=_PROVIDER,
             base_url=base_url,
             headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
