@@ -23,11 +23,13 @@ __all__ = [
     "EmbeddingProvider",
     "EmbeddingSettings",
     "FolderSettings",
+    "HttpUrlText",
     "LogSettings",
     "Role",
     "SearchLimitsSettings",
     "Settings",
     "StageRetrySettings",
+    "VendorUrl",
 ]
 
 
@@ -106,14 +108,15 @@ class ApiKeys:
         )
 
 
-def _http_url(url: str | None) -> str | None:
+def _http_url(url: str) -> str:
     # The scheme at start-up; the address is checked on every request (ragstream.outbound).
-    if url is not None:
-        check_scheme(url)
+    check_scheme(url)
     return url
 
 
-VendorUrl = Annotated[str | None, AfterValidator(_http_url)]
+HttpUrlText = Annotated[str, AfterValidator(_http_url)]
+"""An http(s) URL with a host, kept as the text given."""
+VendorUrl = HttpUrlText | None
 
 
 class FolderSettings(BaseSettings):
