@@ -24,6 +24,8 @@ __all__ = [
     "SEARCH_LATENCY",
     "SEARCH_REQUESTS",
     "STAGE_LATENCY",
+    "VENDOR_REQUESTS",
+    "VENDOR_REQUEST_SECONDS",
     "exposition",
 ]
 
@@ -71,6 +73,18 @@ DB_POOL_WAIT = Histogram(
     "ragstream_db_pool_wait_seconds",
     "Wait for a database pool connection, including waits that timed out",
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+VENDOR_REQUESTS = Counter(
+    "ragstream_vendor_requests_total",
+    "HTTP requests to a vendor (platform or model API) by outcome: the status class (2xx, 4xx, 5xx...),"
+    " timeout or network",
+    ["vendor", "outcome"],
+)
+VENDOR_REQUEST_SECONDS = Histogram(
+    "ragstream_vendor_request_seconds",
+    "Time of one HTTP request to a vendor, each attempt apart, failed ones included",
+    ["vendor"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
 

@@ -29,6 +29,7 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from ragstream import outbound
+from ragstream.metrics import VENDOR_REQUEST_SECONDS, VENDOR_REQUESTS
 
 __all__ = [
     "PacingWindow",
@@ -267,14 +268,22 @@ class VendorHttp:
             return await self._send(method, path, **kwargs)
 
     async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        outcome, started = "error", time.perf_counter()
         try:
-            return await self.client().request(method, path, **kwargs)
+            response = await self.client().request(method, path, **kwargs)
+            outcome = f"{response.status_code // 100}xx"
+            return response
         except httpx.TimeoutException as error:
+            outcome = "timeout"
             message = f"{path}: timed out after {self.timeout_s}s ({type(error).__name__})"
             raise Transient(self.error_type(message, retryable=True)) from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as error:
+            outcome = "network"
             failed = f"{path}: connection failed ({type(error).__name__})"
             raise Transient(self.error_type(failed, retryable=True)) from None
+        finally:
+            VENDOR_REQUEST_SECONDS.labels(self.vendor).observe(time.perf_counter() - started)
+            VENDOR_REQUESTS.labels(self.vendor, outcome).inc()
 
     async def retrying(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """``call`` until it returns, raises a non-transient error, or the attempts run out; then the
