@@ -19,12 +19,12 @@ from ragstream.api.syncs import SyncError
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import INDEXABLE_PLATFORMS
+from ragstream.core.storable import Storable
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
 from ragstream.reindex import ReindexBusy, UnknownConnection
 from ragstream.settings import EmbeddingProvider, FolderSettings
-from ragstream.storable import Storable
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
 __all__ = [

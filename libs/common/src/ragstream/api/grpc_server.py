@@ -24,13 +24,14 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from typing_extensions import override
 
-from ragstream.api.admission import Overloaded, SearchAdmission
+from ragstream.admission import Overloaded, SearchAdmission
 from ragstream.api.auth import Access, Caller
 from ragstream.api.knowledge import parse_knowledge_request
+from ragstream.core.errors import InvalidInput
+from ragstream.core.search import MetadataValue, SearchRequest, SearchResponse
 from ragstream.knowledge.models import ErrorCode, KnowledgeError, KnowledgeResponse
 from ragstream.knowledge.service import KnowledgeAction, KnowledgeService
 from ragstream.metrics import SEARCH_LATENCY
-from ragstream.retrieval.models import MetadataValue, SearchRequest, SearchResponse
 from ragstream.settings import Role
 from ragstream.storage.database import DatabaseBusy
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -73,7 +74,7 @@ class Searcher(Protocol):
     async def search(self, request: SearchRequest) -> SearchResponse: ...
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(InvalidInput, ValueError):
     """A request message the HTTP API would answer with 422; the message says where and why, without
     echoing the input (it may be a long query or someone's history)."""
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ragstream.core.errors import DocumentError
 from ragstream.messages import ChunksEmbedded, DocumentDeleted, DocumentIndexed, IndexOutcome
 from ragstream.storage.documents import DocumentStore
 
 __all__ = ["IndexService", "MixedEmbeddingModelsError"]
 
 
-class MixedEmbeddingModelsError(Exception):
+class MixedEmbeddingModelsError(DocumentError):
     """The batches of one document version were embedded by different models."""
 
 

@@ -6,14 +6,18 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from ragstream.core.errors import Unavailable
 from ragstream.settings import Settings
 
 __all__ = ["Overloaded", "SearchAdmission"]
 
 
-class Overloaded(Exception):
+class Overloaded(Unavailable):
     """No turn for this search: too many waiting already, or the wait for a turn timed out. The API
     answers 503 with ``Retry-After: retry_after_s`` (gRPC: RESOURCE_EXHAUSTED)."""
+
+    code = "overloaded"
+    public_reason = "too many searches at once"
 
     def __init__(self, reason: str, retry_after_s: int) -> None:
         super().__init__(reason)
