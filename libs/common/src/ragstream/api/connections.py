@@ -22,8 +22,7 @@ from ragstream.connectors.registry import INDEXABLE_PLATFORMS
 from ragstream.core.storable import Storable
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.metrics import CONNECTION_CHANGES
-from ragstream.rechunk import RechunkBusy
-from ragstream.reindex import ReindexBusy, UnknownConnection
+from ragstream.reindex import UnknownConnection
 from ragstream.settings import EmbeddingProvider, FolderSettings
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
@@ -330,10 +329,8 @@ def connections_router(
         wanted = config.embedding.shown() if config.embedding is not None else None
         if current.config.get("embedding") == wanted:
             return
-        try:
+        try:  # a re-index already running (ReindexBusy) is a Conflict: 409, see ragstream.api.errors
             await on_embedding_changed(connection_id, config.embedding.spec() if config.embedding else None)
-        except ReindexBusy as error:
-            raise HTTPException(status_code=409, detail=str(error)) from None
         except UnknownConnection:
             raise not_found(connection_id) from None
         except ValueError as error:
@@ -424,10 +421,8 @@ def connections_router(
                     raise not_found(connection_id)
                 config.pop("chunking")
                 if stored_chunking(current) != chunking:
-                    try:
-                        await on_chunking_changed(connection_id, chunking)
-                    except RechunkBusy as error:
-                        raise HTTPException(status_code=409, detail=str(error)) from None
+                    # A re-chunk already running (RechunkBusy) is a Conflict: 409, see ragstream.api.errors.
+                    await on_chunking_changed(connection_id, chunking)
                     logger.info("connection %s: re-chunking started", connection_id)
             try:
                 switch = await store.update(
