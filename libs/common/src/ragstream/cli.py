@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ragstream.api.syncs import status_label
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
@@ -27,14 +26,12 @@ from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgre
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.jobs.progress import SyncProgress
 from ragstream.jobs.sync import SyncReport
-from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.logs import configure_logging
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
 from ragstream.settings import EmbeddingProvider, LogSettings, Settings
-from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
 
@@ -260,6 +257,9 @@ def replay(
             counts, progress = await runtime.pipeline().replay(connection)
             failures = await runtime.store.failures(connection)
         else:
+            from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
+            from ragstream.stages.replay import ReplayService
+
             broker = create_broker(kafka, "replay")
             await broker.start()
             try:
@@ -524,6 +524,8 @@ _COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed"
 
 
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
+    from ragstream.api.syncs import status_label
+
     run = item.latest
     counts = run.counts if run is not None else None
     return {

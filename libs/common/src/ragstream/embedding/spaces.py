@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ragstream.core.vectors import Vectors
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.config import ProcessResources, embedder_config, stored_embedder
 from ragstream.settings import EmbeddingSettings
-from ragstream.storage.spaces import SpaceStore
+from ragstream.storage.spaces import ChunkText, SpaceStore
 
 __all__ = ["ActiveSpace", "Space", "embedding_spec"]
 
@@ -80,6 +81,11 @@ class ActiveSpace:
             by_connection = {connection: spaces[space.model_key] for connection, space in pinned.items()}
             self._cached = (now, current, by_connection)
             return current, by_connection
+
+    async def embedded_chunks(self, space: Space, document_id: str) -> list[tuple[ChunkText, Vectors]]:
+        """The document's chunks that have a vector in ``space``, with their vectors: what the model of
+        ``space`` embedded for the document's committed version."""
+        return await self._store.embedded_chunks(space.table, document_id)
 
     def embedder(self, model_key: str, spec: dict[str, Any] | None) -> Embedder:
         """The embedder of ``model_key``, built from its stored ``spec`` the first time."""

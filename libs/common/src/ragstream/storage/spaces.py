@@ -371,6 +371,19 @@ class SpaceStore:
         )
         return [ChunkText(row["id"], row["title"], row["heading"], row["text"]) for row in rows]
 
+    async def embedded_chunks(self, table: str, document_id: str) -> list[tuple[ChunkText, Vectors]]:
+        """The document's chunks that have a vector in ``table``, each with its vector (one row)."""
+        rows = await self._pool.fetch(
+            "SELECT c.id, d.title, c.heading, c.text, e.embedding FROM chunks c"
+            f" JOIN documents d ON d.id = c.document_id JOIN {identifier(table)} e ON e.chunk_id = c.id"
+            " WHERE c.document_id = $1",
+            document_id,
+        )
+        return [
+            (ChunkText(row["id"], row["title"], row["heading"], row["text"]), row["embedding"].to_numpy())
+            for row in rows
+        ]
+
     async def missing(self, table: str, after: str, limit: int, connection_id: str | None = None) -> list[ChunkText]:
         """Chunks without a vector in ``table``, by id after ``after`` (keyset paging: each pass
         reads every chunk once, however many are added behind it)."""
