@@ -1,7 +1,7 @@
 """Small work beside LlamaIndex: first ingest, unchanged re-sync and 10 edited pages, each a fresh process.
 
-    .venv/bin/python -m bench.compare_resync [--limit 300] [--rounds 2] [--edits 10] [--li-python PATH]
-                                             [--ragstream PATH]
+    .venv/bin/python -m bench.compare_resync [--limit 300] [--rounds 2] [--repeats 1] [--edits 10]
+                                             [--li-python PATH] [--ragstream PATH]
 
 Each round makes one copy of the first ``--limit`` pages of the PostgreSQL 15 documentation
 (``bench.ingest``'s corpus) that both systems sync, then runs three phases, alternating the two
@@ -11,6 +11,9 @@ systems within each phase (LlamaIndex first in odd rounds, ragstream first in ev
 2. ``unchanged``: the same pages again, nothing changed;
 3. ``edited``: after ``--edits`` pages of the copy got one paragraph each (the baseline's
    ``edit_pages``: the same pages, the same edit, for both).
+
+With ``--repeats N`` a round runs phases 2 and 3 N times after its first ingest (each edit adds one
+more paragraph to the same pages): more re-sync figures for one costly first ingest.
 
 * LlamaIndex: ``bench/llamaindex/llamaindex_baseline.py --phase ingest`` (``IngestionPipeline`` with
   ``DocstoreStrategy.UPSERTS`` and a persisted ``SimpleDocumentStore``) against one PostgreSQL 16.2 +
@@ -66,14 +69,14 @@ def baseline_module() -> ModuleType:
     return module
 
 
-def run_llamaindex(python: Path, dsn: str, workdir: Path, label: str, phase: str) -> dict[str, Any]:
+def run_llamaindex(python: Path, dsn: str, workdir: Path, label: str, phase: str, repeat: int) -> dict[str, Any]:
     """One ``--phase ingest`` process of the baseline on ``workdir/corpus`` (its docstore in ``workdir``)."""
     load = os.getloadavg()[0]
     result, wall, cpu = timed(
         [
             str(python),
             str(LLAMAINDEX / "llamaindex_baseline.py"),
-            *("--phase", "ingest", "--label", f"{label}/{phase}", "--corpus", str(workdir / "corpus")),
+            *("--phase", "ingest", "--label", f"{label}/{phase}/{repeat}", "--corpus", str(workdir / "corpus")),
             *("--dsn", dsn, "--workdir", str(workdir), "--table", f"li_{label}"),
         ]
     )
@@ -81,6 +84,7 @@ def run_llamaindex(python: Path, dsn: str, workdir: Path, label: str, phase: str
         "system": "llamaindex",
         "round": label,
         "phase": phase,
+        "repeat": repeat,
         "load1_before": round(load, 2),
         "process_wall_s": round(wall, 2),
         "process_cpu_s": round(cpu, 1),
@@ -91,7 +95,7 @@ def run_llamaindex(python: Path, dsn: str, workdir: Path, label: str, phase: str
     }
 
 
-def run_ragstream(command: Path, corpus: Path, data_dir: Path, label: str, phase: str) -> dict[str, Any]:
+def run_ragstream(command: Path, corpus: Path, data_dir: Path, label: str, phase: str, repeat: int) -> dict[str, Any]:
     """One ``ragstream ingest`` process on ``corpus`` with its embedded PostgreSQL under ``data_dir``."""
     load = os.getloadavg()[0]
     done, wall, cpu = run_timed(
@@ -105,6 +109,7 @@ def run_ragstream(command: Path, corpus: Path, data_dir: Path, label: str, phase
         "system": "ragstream",
         "round": label,
         "phase": phase,
+        "repeat": repeat,
         "load1_before": round(load, 2),
         "process_wall_s": round(wall, 2),
         "process_cpu_s": round(cpu, 1),
@@ -116,34 +121,33 @@ def run_ragstream(command: Path, corpus: Path, data_dir: Path, label: str, phase
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """ragstream's process wall over LlamaIndex's, per round and phase."""
-    walls = {(run["system"], run["round"], run["phase"]): run["process_wall_s"] for run in runs}
-    rounds = sorted({run["round"] for run in runs})
+    """ragstream's process wall over LlamaIndex's, per round, phase and repeat, in the order they ran."""
+    walls = {(run["system"], run["round"], run["phase"], run["repeat"]): run["process_wall_s"] for run in runs}
+    steps = list(dict.fromkeys((run["round"], run["phase"], run["repeat"]) for run in runs))
     return [
         {
-            "round": label,
-            "phase": phase,
-            "llamaindex_wall_s": walls[("llamaindex", label, phase)],
-            "ragstream_wall_s": walls[("ragstream", label, phase)],
-            "ragstream_over_llamaindex": round(
-                walls[("ragstream", label, phase)] / walls[("llamaindex", label, phase)], 3
-            ),
+            "round": step[0],
+            "phase": step[1],
+            "repeat": step[2],
+            "llamaindex_wall_s": walls[("llamaindex", *step)],
+            "ragstream_wall_s": walls[("ragstream", *step)],
+            "ragstream_over_llamaindex": round(walls[("ragstream", *step)] / walls[("llamaindex", *step)], 3),
         }
-        for label in rounds
-        for phase in PHASES
+        for step in steps
     ]
 
 
 def table(runs: list[dict[str, Any]], compared: list[dict[str, Any]]) -> str:
-    loads = {(run["system"], run["round"], run["phase"]): run["load1_before"] for run in runs}
+    loads = {(run["system"], run["round"], run["phase"], run["repeat"]): run["load1_before"] for run in runs}
     lines = [
         "| round | phase | LlamaIndex wall s (load) | ragstream wall s (load) | ragstream / LlamaIndex |",
         "|---|---|---|---|---|",
     ]
     for row in compared:
-        key = (row["round"], row["phase"])
+        key = (row["round"], row["phase"], row["repeat"])
+        phase = row["phase"] if row["phase"] == "first" else f"{row['phase']} {row['repeat']}"
         lines.append(
-            f"| {row['round']} | {row['phase']} | {row['llamaindex_wall_s']} ({loads[('llamaindex', *key)]}) "
+            f"| {row['round']} | {phase} | {row['llamaindex_wall_s']} ({loads[('llamaindex', *key)]}) "
             f"| {row['ragstream_wall_s']} ({loads[('ragstream', *key)]}) | {row['ragstream_over_llamaindex']} |"
         )
     return "\n".join(lines)
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=300, help="the first N pages of postgresql-doc-15; 0: all")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--edits", type=int, default=10, help="pages edited before the last phase")
+    parser.add_argument("--repeats", type=int, default=1, help="unchanged and edited phases per first ingest")
+    parser.add_argument("--edits", type=int, default=10, help="pages edited before each edited phase")
     parser.add_argument("--li-python", default=None, help="python of a virtualenv with LlamaIndex")
     parser.add_argument(
         "--ragstream", default=str(Path(sys.executable).with_name("ragstream")), help="the ragstream command to time"
@@ -174,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     dsn = started.stdout.strip().splitlines()[-1]
     runs: list[dict[str, Any]] = []
     edited: dict[str, list[str]] = {}
+    steps = [("first", 0)] + [(phase, repeat) for repeat in range(1, args.repeats + 1) for phase in PHASES[1:]]
     try:
         for number in range(1, args.rounds + 1):
             label = f"r{number}"
@@ -181,15 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(corpus.folder, workdir / "corpus", ignore=shutil.ignore_patterns(".*"))
             data_dir = workdir / "ragstream-data"
             systems = ["llamaindex", "ragstream"] if number % 2 else ["ragstream", "llamaindex"]
-            for phase in PHASES:
+            for phase, repeat in steps:
                 if phase == "edited":
-                    edited[label] = edit_pages(workdir / "corpus", args.edits, label)
+                    edited[label] = edit_pages(workdir / "corpus", args.edits, f"{label}, edit {repeat}")
                 for system in systems:
-                    log(f"round {number}, {phase}: {system} on {corpus.pages} pages")
+                    log(f"round {number}, {phase} {repeat}: {system} on {corpus.pages} pages")
                     if system == "llamaindex":
-                        runs.append(run_llamaindex(python, dsn, workdir, label, phase))
+                        runs.append(run_llamaindex(python, dsn, workdir, label, phase, repeat))
                     else:
-                        runs.append(run_ragstream(command, workdir / "corpus", data_dir, label, phase))
+                        runs.append(run_ragstream(command, workdir / "corpus", data_dir, label, phase, repeat))
                     log(json.dumps(runs[-1]))
     finally:
         subprocess.run([str(LLAMAINDEX / "pg_up.sh"), "stop", str(pg_dir)], env=env, check=False)
