@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,10 +83,12 @@ class ActiveSpace:
             self._cached = (now, current, by_connection)
             return current, by_connection
 
-    async def embedded_chunks(self, space: Space, document_id: str) -> list[tuple[ChunkText, Vectors]]:
-        """The document's chunks that have a vector in ``space``, with their vectors: what the model of
-        ``space`` embedded for the document's committed version."""
-        return await self._store.embedded_chunks(space.table, document_id)
+    async def embedded_chunks(
+        self, space: Space, document_id: str, texts: Sequence[str]
+    ) -> list[tuple[ChunkText, Vectors]]:
+        """The document's chunks of one of these ``texts`` that have a vector in ``space``, with their
+        vectors: what the model of ``space`` embedded for the document's committed version."""
+        return await self._store.embedded_chunks(space.table, document_id, texts)
 
     def embedder(self, model_key: str, spec: dict[str, Any] | None) -> Embedder:
         """The embedder of ``model_key``, built from its stored ``spec`` the first time."""

@@ -98,7 +98,7 @@ class EmbedService:
         else:
             space = await self._spaces.for_connection(message.header.connection_id)
             embedder = space.embedder
-            vectors = await self._embed_changed(self._spaces, space, message.header.document_id, inputs)
+            vectors = await self._embed_changed(self._spaces, space, message, inputs)
         return ChunksEmbedded(
             header=message.header,
             batch_index=message.batch_index,
@@ -111,12 +111,15 @@ class EmbedService:
             vectors=pack_vectors(vectors),
         )
 
-    async def _embed_changed(self, spaces: ActiveSpace, space: Space, document_id: str, inputs: list[str]) -> Vectors:
-        """The vectors of ``inputs``: the committed one of each input the document's chunks in ``space``
-        were embedded from, the model's for the rest."""
+    async def _embed_changed(
+        self, spaces: ActiveSpace, space: Space, message: DocumentChunked, inputs: list[str]
+    ) -> Vectors:
+        """The vectors of ``inputs`` (those of ``message``'s chunks): the committed one of each input the
+        document's chunks in ``space`` were embedded from, the model's for the rest."""
         known: dict[str, Vectors] = {}
         if self._contextualizer is None:
-            for chunk, vector in await spaces.embedded_chunks(space, document_id):
+            texts = [chunk.text for chunk in message.chunks]
+            for chunk, vector in await spaces.embedded_chunks(space, message.header.document_id, texts):
                 known[embedding_input(chunk.title, chunk.heading, chunk.text)] = vector
         changed = list(dict.fromkeys(text for text in inputs if text not in known))
         if changed:
