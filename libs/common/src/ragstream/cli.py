@@ -18,14 +18,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ragstream.api.syncs import status_label
+from ragstream.api.syncs import status_label, sync_counts
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import RunOutcome, SyncRunner
-from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgress, SyncRunStore
+from ragstream.control.kinds import sync_kind
+from ragstream.control.runner import Runner, RunOutcome
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
-from ragstream.jobs.progress import SyncProgress
+from ragstream.jobs.progress import RunProgress
 from ragstream.jobs.sync import SyncReport
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
@@ -36,6 +36,7 @@ from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
+from ragstream.storage.runs import ConnectionOverview, RagDisabled, RunInProgress, RunStore
 
 __all__ = ["app"]
 
@@ -91,34 +92,36 @@ async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | 
 
     ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
+    runs = RunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     try:
         connection_id = await register_folder(runtime.store, folder, config)
         try:
             run = await runs.start(connection_id, "cli", running=True)
-        except SyncInProgress:
+        except RunInProgress:
             console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
             return RunOutcome(None, None)
         except RagDisabled as error:
             console.print(f"[bold red]{folder}[/]: {error}")
             return RunOutcome(None, None)
-        runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
+        runner = Runner(
+            runs, {"sync": sync_kind(runs, runtime.pipeline)}, progress_interval_s=settings.sync_progress_interval_s
+        )
         with _progress_bar("docs") as bar:
             task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
 
-            def show(progress: SyncProgress) -> None:
+            def show(progress: RunProgress) -> None:
                 bar.update(
                     task,
-                    total=progress.listed if progress.listing_done or progress.listed else None,
+                    total=progress.total if progress.total_known or progress.total else None,
                     completed=progress.done,
                     rate=progress.rate,
                 )
 
             outcome = await runner.execute(run, show)
-        if outcome.report is not None:
-            _report(outcome.report, str(folder))
+        if isinstance(outcome.result, SyncReport):
+            _report(outcome.result, str(folder))
         elif outcome.run is not None:
-            console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.reason}")
+            console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.error}")
         return outcome
     finally:
         await runs.aclose()  # ends this process's ownership of the run, if still held
@@ -196,7 +199,7 @@ def ingest(
 
     outcome = _run(run)
     assert isinstance(outcome, RunOutcome)
-    raise typer.Exit(0 if outcome.report is not None and outcome.report.ok else 1)
+    raise typer.Exit(0 if isinstance(outcome.result, SyncReport) and outcome.result.ok else 1)
 
 
 @app.command()
@@ -513,12 +516,9 @@ def migrate(
     typer.echo("the database schema is current")
 
 
-_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")
-
-
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
     run = item.latest
-    counts = run.counts if run is not None else None
+    progress = run.progress if run is not None else {}
     return {
         "connection_id": item.connection.id,
         "name": item.connection.name,
@@ -527,13 +527,10 @@ def _status_row(item: ConnectionOverview) -> dict[str, Any]:
         "schedule_seconds": item.schedule_seconds,
         "status": status_label(run.status) if run is not None else None,
         "trigger": run.trigger if run is not None else None,
-        "reason": run.reason if run is not None else None,
-        **{name: getattr(counts, name) if counts is not None else 0 for name in _COUNT_NAMES},
-        "listing_done": counts.listing_done if counts is not None else False,
-        "direction": counts.direction if counts is not None else None,
-        "resumed": counts.resumed if counts is not None else False,
-        "rate": run.rate if run is not None else None,
-        "eta_seconds": run.eta_seconds if run is not None else None,
+        "reason": run.error if run is not None else None,
+        **sync_counts(progress),
+        "rate": progress.get("rate"),
+        "eta_seconds": progress.get("eta_seconds"),
         "started_at": run.started_at.isoformat() if run is not None and run.started_at else None,
         "finished_at": run.finished_at.isoformat() if run is not None and run.finished_at else None,
         "last_error": item.sync_error,
@@ -554,7 +551,7 @@ def status(
         async with resolve_database(settings) as dsn:
             pool = await connect_pool(dsn, max_size=2)
             try:
-                return await SyncRunStore(pool, dsn).overview()
+                return await RunStore(pool, dsn).overview()
             finally:
                 await pool.close()
 

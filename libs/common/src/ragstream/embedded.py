@@ -21,8 +21,8 @@ from ragstream.api.http import create_app
 from ragstream.api.knowledge import knowledge_router
 from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore
+from ragstream.control.kinds import sync_kind
+from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.knowledge.control_plane import writing_knowledge
@@ -34,6 +34,7 @@ from ragstream.runtime import Runtime
 from ragstream.storage.database import DatabaseUnavailable, ping
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
+from ragstream.storage.runs import RunInProgress, RunStore
 
 __all__ = ["api_app", "serve"]
 
@@ -57,22 +58,22 @@ async def serve(
     (``Access.for_embedded`` checks the host first). The ``embedded`` PostgreSQL, if given, is started
     again should it die. SIGTERM and SIGINT stop it all."""
     settings = runtime.settings
-    runs = SyncRunStore(
+    runs = RunStore(
         runtime.pool,
         runtime.dsn,
         stale_timeout_s=settings.sync_stale_timeout_s,
         cipher=CredentialCipher.from_settings(settings),
     )
-    runner = SyncRunner(
+    runner = Runner(
         runs,
-        runtime.pipeline,
+        {"sync": sync_kind(runs, runtime.pipeline)},
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
     for folder in sources:
         connection_id = await register_folder(runtime.store, folder)
         await runs.set_schedule(connection_id, round(sync_interval))
-        with contextlib.suppress(SyncInProgress):  # another process syncs it already
+        with contextlib.suppress(RunInProgress):  # another process syncs it already
             await runs.start(connection_id, "cli")
 
     reindexer = runtime.reindexer()
@@ -159,8 +160,8 @@ async def _ready(runtime: Runtime, supervisor: EmbeddedSupervisor | None) -> boo
 
 def api_app(
     runtime: Runtime,
-    runs: SyncRunStore,
-    runner: SyncRunner,
+    runs: RunStore,
+    runner: Runner,
     reindexer: Reindexer,
     rechunker: Rechunker,
     *,

@@ -28,8 +28,8 @@ from ragstream.api.http import create_app as create_http_app
 from ragstream.api.knowledge import knowledge_router
 from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRunStore
+from ragstream.control.kinds import sync_kind
+from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.jobs.sync import SyncJob
@@ -39,6 +39,8 @@ from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.database import ping
+from ragstream.storage.downstream import DownstreamStore
+from ragstream.storage.runs import RagDisabled, RunInProgress, RunStore
 from ragstream.transport.kafka import KafkaTransport
 
 __all__ = ["FetcherSettings", "create_app"]
@@ -116,21 +118,21 @@ def create_app() -> FastAPI:
 @asynccontextmanager
 async def _control_plane(
     app: FastAPI, runtime: Runtime, broker: KafkaBroker, own_folders: list[Path]
-) -> AsyncIterator[SyncRunner]:
+) -> AsyncIterator[Runner]:
     """The runner of sync jobs over Kafka, and the control-plane routes of ``ragstream up`` on ``app``."""
     settings = runtime.settings
-    # One per process: its session owns the runs this fetcher is executing (see SyncRunStore).
-    runs = SyncRunStore(
+    # One per process: its session owns the runs this fetcher is executing (see RunStore).
+    runs = RunStore(
         runtime.pool,
         runtime.dsn,
         stale_timeout_s=settings.sync_stale_timeout_s,
         cipher=CredentialCipher.from_settings(settings),
     )
-    transport = KafkaTransport(broker, runs, poll_interval_s=settings.sync_progress_interval_s)
+    transport = KafkaTransport(broker, DownstreamStore(runtime.pool), poll_interval_s=settings.sync_progress_interval_s)
     job = SyncJob(runtime.store, transport, max_document_bytes=settings.max_document_bytes)
-    runner = SyncRunner(
+    runner = Runner(
         runs,
-        lambda: job,
+        {"sync": sync_kind(runs, lambda: job)},
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
@@ -161,14 +163,14 @@ async def _control_plane(
         await rechunker.aclose()
 
 
-async def _timer(runtime: Runtime, runner: SyncRunner, fetcher: FetcherSettings) -> None:
+async def _timer(runtime: Runtime, runner: Runner, fetcher: FetcherSettings) -> None:
     """Queue a sync of each of ``RAGSTREAM_FETCHER_FOLDERS`` every ``interval_s``."""
     while True:
         for folder in fetcher.folders:
             try:
                 connection_id = await register_folder(runtime.store, folder)
                 await runner.runs.start(connection_id, "schedule")
-            except (SyncInProgress, RagDisabled, NotADirectoryError) as error:
+            except (RunInProgress, RagDisabled, NotADirectoryError) as error:
                 logger.warning("timed sync of %s not started: %s", folder, error)
         runner.wake()
         await asyncio.sleep(fetcher.interval_s)

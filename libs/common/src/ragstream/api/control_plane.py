@@ -18,8 +18,7 @@ from ragstream.api.reindex import reindex_router
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import folder_syncs_router, sync_router
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.runner import Runner
 from ragstream.credentials import CredentialCipher
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
@@ -29,6 +28,7 @@ from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.rechunk import RechunkStore
+from ragstream.storage.runs import RunInProgress, RunStore, Trigger
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["control_plane_routers"]
@@ -36,8 +36,8 @@ __all__ = ["control_plane_routers"]
 
 def control_plane_routers(
     runtime: Runtime,
-    runs: SyncRunStore,
-    runner: SyncRunner,
+    runs: RunStore,
+    runner: Runner,
     reindexer: Reindexer,
     rechunker: Rechunker,
     replay: Callable[[ReplayRequest], Awaitable[ReplayResult]],
@@ -54,7 +54,7 @@ def control_plane_routers(
         """A connection created with RAG on, or switched back on, is synced in full right away."""
 
         async def start(connection_id: str) -> None:
-            with contextlib.suppress(SyncInProgress):
+            with contextlib.suppress(RunInProgress):
                 await runs.start(connection_id, trigger)
             runner.wake()
 
@@ -81,7 +81,7 @@ def control_plane_routers(
         folder_syncs_router(
             runs,
             runtime.store,
-            lambda: runner.live,
+            runner.live_syncs,
             runner.wake,
             folder_roots=settings.folders.roots(),
             own_folders=own_folders,

@@ -16,14 +16,7 @@ from collections.abc import Callable
 
 import asyncpg
 
-from ragstream.control.runs import (
-    CONNECTION_ERRORS,
-    RagDisabled,
-    SyncInProgress,
-    SyncRun,
-    SyncRunStore,
-    connect_session,
-)
+from ragstream.storage.runs import CONNECTION_ERRORS, RagDisabled, Run, RunInProgress, RunStore, connect_session
 
 __all__ = ["SCHEDULER_LOCK", "Scheduler"]
 
@@ -37,7 +30,7 @@ class Scheduler:
     def __init__(
         self,
         dsn: str,
-        runs: SyncRunStore,
+        runs: RunStore,
         *,
         interval_s: float = 30.0,
         on_enqueued: Callable[[], None] | None = None,
@@ -65,7 +58,7 @@ class Scheduler:
         finally:
             await self.stop()
 
-    async def step(self) -> list[SyncRun]:
+    async def step(self) -> list[Run]:
         """Become (or check that we still are) the leader; as leader, enqueue the due connections."""
         if self._lock is not None and not await self._still_leading(self._lock):
             await self.stop()
@@ -78,7 +71,7 @@ class Scheduler:
         enqueued = []
         for connection_id in await self._runs.due():
             # A sync on request got there first, or RAG was switched off since due() read it.
-            with contextlib.suppress(SyncInProgress, RagDisabled):
+            with contextlib.suppress(RunInProgress, RagDisabled):
                 enqueued.append(await self._runs.start(connection_id, "schedule"))
         if enqueued and self._on_enqueued is not None:
             self._on_enqueued()

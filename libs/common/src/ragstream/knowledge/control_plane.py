@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRunStore
+from ragstream.control.runner import Runner
 from ragstream.knowledge.models import IndexingState
 from ragstream.knowledge.service import KnowledgeService, Searcher
 from ragstream.runtime import Runtime
+from ragstream.storage.runs import RagDisabled, RunInProgress, RunStore
 
 __all__ = ["writing_knowledge"]
 
 
 def writing_knowledge(
-    runtime: Runtime, runs: SyncRunStore, runner: SyncRunner, searcher: Callable[[], Searcher | None]
+    runtime: Runtime, runs: RunStore, runner: Runner, searcher: Callable[[], Searcher | None]
 ) -> KnowledgeService:
     """A document written to a RAG connection starts a sync run of it (``runs``, claimed by ``runner``)."""
 
@@ -23,7 +23,7 @@ def writing_knowledge(
         next one started) picks it up."""
         try:
             await runs.start(connection_id, "api")
-        except SyncInProgress:
+        except RunInProgress:
             return "sync_running"
         except RagDisabled:  # switched off meanwhile: searched live
             return "live"
