@@ -77,13 +77,10 @@ async def embedded(runtime: Runtime) -> AsyncIterator[FastAPI]:
     """The HTTP API of ``ragstream up``, with keys."""
     runs = RunStore(runtime.pool, runtime.dsn, stale_timeout_s=1800)
     runner = sync_runner(runs, runtime.pipeline, max_concurrent=1, progress_interval_s=1)
-    reindexer, rechunker = runtime.reindexer(), runtime.rechunker()
     try:
-        yield api_app(runtime, runs, runner, reindexer, rechunker, access=ACCESS)
+        yield api_app(runtime, runs, runner, access=ACCESS)
     finally:
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
 
 
 def free_port() -> int:

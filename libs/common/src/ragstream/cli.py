@@ -22,21 +22,19 @@ from ragstream.api.syncs import status_label, sync_counts
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
-from ragstream.control.kinds import sync_kind
-from ragstream.control.runner import Runner, RunOutcome
+from ragstream.control.kinds import rechunk_kind, reindex_kind, sync_kind
+from ragstream.control.runner import Job, Runner, RunOutcome
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.jobs.progress import RunProgress
 from ragstream.jobs.sync import SyncReport
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
-from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
-from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
 from ragstream.settings import EmbeddingProvider, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
-from ragstream.storage.runs import ConnectionOverview, RagDisabled, RunInProgress, RunStore
+from ragstream.storage.runs import ConnectionOverview, RagDisabled, RunInProgress, RunKind, RunStatus, RunStore
 
 __all__ = ["app"]
 
@@ -87,27 +85,31 @@ def _report(report: SyncReport, source: str) -> None:
         console.print(table)
 
 
-async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | None = None) -> RunOutcome:
-    """Sync as a run (trigger ``cli``) in the foreground, with a progress bar.
-
-    ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
+async def _in_foreground(
+    runtime: Runtime,
+    kind: RunKind,
+    connection_id: str | None,
+    params: dict[str, Any],
+    job: Callable[[RunStore], Job],
+    unit: str,
+    label: str,
+) -> RunOutcome:
+    """Run one job of ``kind`` as a run this process owns (trigger ``cli``) in the foreground, with a
+    progress bar; no outcome when it could not start (one of its kind and scope is active)."""
     settings = runtime.settings
     runs = RunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     try:
-        connection_id = await register_folder(runtime.store, folder, config)
         try:
-            run = await runs.start(connection_id, "cli", running=True)
-        except RunInProgress:
-            console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
+            run = await runs.start(connection_id, "cli", kind=kind, params=params, running=True)
+        except RunInProgress as error:
+            console.print(f"[bold red]{label}[/]: {error} (ragstream status shows it)", highlight=False)
             return RunOutcome(None, None)
-        except RagDisabled as error:
-            console.print(f"[bold red]{folder}[/]: {error}")
+        except (RagDisabled, LookupError) as error:
+            console.print(f"[bold red]{label}[/]: {error}", highlight=False)
             return RunOutcome(None, None)
-        runner = Runner(
-            runs, {"sync": sync_kind(runs, runtime.pipeline)}, progress_interval_s=settings.sync_progress_interval_s
-        )
-        with _progress_bar("docs") as bar:
-            task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
+        runner = Runner(runs, {kind: job(runs)}, progress_interval_s=settings.sync_progress_interval_s)
+        with _progress_bar(unit) as bar:
+            task = bar.add_task(f"{kind} {label}", total=None, rate=0.0)
 
             def show(progress: RunProgress) -> None:
                 bar.update(
@@ -117,14 +119,25 @@ async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | 
                     rate=progress.rate,
                 )
 
-            outcome = await runner.execute(run, show)
-        if isinstance(outcome.result, SyncReport):
-            _report(outcome.result, str(folder))
-        elif outcome.run is not None:
-            console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.error}")
-        return outcome
+            return await runner.execute(run, show)
     finally:
         await runs.aclose()  # ends this process's ownership of the run, if still held
+
+
+async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | None = None) -> RunOutcome:
+    """Sync as a run (trigger ``cli``) in the foreground, with a progress bar.
+
+    ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
+    connection_id = await register_folder(runtime.store, folder, config)
+    label = str(folder.name or folder)
+    outcome = await _in_foreground(
+        runtime, "sync", connection_id, {}, lambda runs: sync_kind(runs, runtime.pipeline), "docs", label
+    )
+    if isinstance(outcome.result, SyncReport):
+        _report(outcome.result, str(folder))
+    elif outcome.run is not None:
+        console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.error}")
+    return outcome
 
 
 def _chunking_config(
@@ -310,33 +323,25 @@ def reindex(
     connection_id = FolderConnector(folder).connection_id if folder is not None and folder.is_dir() else connection
 
     async def run(runtime: Runtime) -> bool:
-        with _progress_bar("chunks") as bar:
-            task = bar.add_task(f"re-index {connection_id or 'the default model'}", total=None, rate=0.0)
-
-            def show(progress: ReindexProgress) -> None:
-                bar.update(task, total=progress.chunks_total, completed=progress.chunks_embedded, rate=progress.rate)
-
-            try:
-                if connection_id is not None:
-                    result = await runtime.reindexer().run_connection(
-                        connection_id, spec if provider is not None else None, show
-                    )
-                else:
-                    target = runtime.spaces.build(spec)
-                    try:
-                        result = await runtime.reindexer().run(target, spec, show)
-                    except (ReindexBusy, ValueError):
-                        await target.aclose()
-                        raise
-            except (ReindexBusy, UnknownConnection, ValueError) as error:
-                console.print(f"[red]{error}[/]", highlight=False)
-                return False
+        outcome = await _in_foreground(
+            runtime,
+            "reindex",
+            connection_id,
+            {"spec": spec if provider is not None else None},
+            lambda _: reindex_kind(runtime.reindexer()),
+            "chunks",
+            connection_id or "the default model",
+        )
+        done = outcome.run
+        if done is None:
+            return False
         whose = f"{connection_id}: " if connection_id else ""
-        if result.status == "switched":
-            console.print(f"{whose}search now uses [bold]{result.target_key}[/] instead of {result.source_key}")
+        source, target = done.params.get("source_key"), done.params.get("target_key")
+        if done.status is RunStatus.SUCCEEDED:
+            console.print(f"{whose}search now uses [bold]{target}[/] instead of {source}")
         else:
-            console.print(f"[red]{whose}re-index failed, still searching {result.source_key}: {result.error}[/]")
-        return result.status == "switched"
+            console.print(f"[red]{whose}re-index failed, still searching {source}: {done.error}[/]", highlight=False)
+        return done.status is RunStatus.SUCCEEDED
 
     raise typer.Exit(0 if _run(run) else 1)
 
@@ -370,25 +375,27 @@ def rechunk(
 
 async def _rechunk(runtime: Runtime, connection_id: str, chunking: ChunkingConfig) -> bool:
     """Re-chunk in the foreground with a progress bar; True when it switched."""
-    with _progress_bar("docs") as bar:
-        task = bar.add_task(f"re-chunk {connection_id}", total=None, rate=0.0)
-
-        def show(progress: RechunkProgress) -> None:
-            bar.update(task, total=progress.documents_total, completed=progress.documents_done, rate=progress.rate)
-
-        try:
-            result = await runtime.rechunker().run(connection_id, chunking, show)
-        except (RechunkBusy, UnknownConnection) as error:
-            console.print(f"[red]cannot re-chunk {connection_id}: {error}[/]", highlight=False)
-            return False
-    if result.status == "switched":
+    outcome = await _in_foreground(
+        runtime,
+        "rechunk",
+        connection_id,
+        {"chunking": chunking.model_dump(mode="json")},
+        lambda _: rechunk_kind(runtime.rechunker()),
+        "docs",
+        connection_id,
+    )
+    done = outcome.run
+    if done is None:
+        console.print(f"[red]cannot re-chunk {connection_id}[/]", highlight=False)
+        return False
+    if done.status is RunStatus.SUCCEEDED:
         console.print(
-            f"{connection_id}: search now uses index version {result.index_version}"
-            f" ({result.chunks} chunks of {result.documents_done} documents)"
+            f"{connection_id}: search now uses index version {done.params.get('index_version')}"
+            f" ({done.progress.get('chunks')} chunks of {done.progress.get('documents_done')} documents)"
         )
     else:
-        console.print(f"[red]re-chunk failed, still searching the previous chunks: {result.error}[/]")
-    return result.status == "switched"
+        console.print(f"[red]re-chunk failed, still searching the previous chunks: {done.error}[/]", highlight=False)
+    return done.status is RunStatus.SUCCEEDED
 
 
 @app.command()

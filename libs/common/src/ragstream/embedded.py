@@ -21,14 +21,12 @@ from ragstream.api.http import create_app
 from ragstream.api.knowledge import knowledge_router
 from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.kinds import sync_kind
+from ragstream.control.kinds import run_kinds
 from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.knowledge.control_plane import writing_knowledge
 from ragstream.knowledge.service import KnowledgeService
-from ragstream.rechunk import Rechunker
-from ragstream.reindex import Reindexer
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.database import DatabaseUnavailable, ping
@@ -66,7 +64,7 @@ async def serve(
     )
     runner = Runner(
         runs,
-        {"sync": sync_kind(runs, runtime.pipeline)},
+        run_kinds(runs, runtime.pipeline, runtime.reindexer(), runtime.rechunker()),
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
@@ -76,8 +74,6 @@ async def serve(
         with contextlib.suppress(RunInProgress):  # another process syncs it already
             await runs.start(connection_id, "cli")
 
-    reindexer = runtime.reindexer()
-    rechunker = runtime.rechunker()
     admission = SearchAdmission.from_settings(settings)
     searcher = runtime.searcher()
     supervisor = EmbeddedSupervisor(embedded) if embedded is not None else None
@@ -85,8 +81,6 @@ async def serve(
         runtime,
         runs,
         runner,
-        reindexer,
-        rechunker,
         access=access,
         admission=admission,
         searcher=searcher,
@@ -124,8 +118,6 @@ async def serve(
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
         await searcher.aclose()
 
 
@@ -162,8 +154,6 @@ def api_app(
     runtime: Runtime,
     runs: RunStore,
     runner: Runner,
-    reindexer: Reindexer,
-    rechunker: Rechunker,
     *,
     access: Access,
     admission: SearchAdmission | None = None,
@@ -195,7 +185,7 @@ def api_app(
         (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
         ready=ready,
         routers=[
-            *control_plane_routers(runtime, runs, runner, reindexer, rechunker, replay, own_folders=own_folders),
+            *control_plane_routers(runtime, runs, runner, replay, own_folders=own_folders),
             knowledge_router(lambda: knowledge, admission=admission),
         ],
         title="ragstream",

@@ -28,7 +28,7 @@ from ragstream.api.http import create_app as create_http_app
 from ragstream.api.knowledge import knowledge_router
 from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.kinds import sync_kind
+from ragstream.control.kinds import run_kinds
 from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
@@ -132,11 +132,10 @@ async def _control_plane(
     job = SyncJob(runtime.store, transport, max_document_bytes=settings.max_document_bytes)
     runner = Runner(
         runs,
-        {"sync": sync_kind(runs, lambda: job)},
+        run_kinds(runs, lambda: job, runtime.reindexer(), runtime.rechunker()),
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
-    reindexer, rechunker = runtime.reindexer(), runtime.rechunker()
 
     async def replay(request: ReplayRequest) -> ReplayResult:
         """Publish the failed documents to ``doc.changed`` again, from the failures table or the
@@ -149,7 +148,7 @@ async def _control_plane(
             counts = await service.failures(sink, request.connection_id)
         return ReplayResult(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
 
-    for router in control_plane_routers(runtime, runs, runner, reindexer, rechunker, replay, own_folders=own_folders):
+    for router in control_plane_routers(runtime, runs, runner, replay, own_folders=own_folders):
         app.include_router(router)
     # The knowledge tool's writes start a sync run, which only the control plane can: here they are
     # served (the retriever serves the read-side actions and answers writes with not_served_here).
@@ -159,8 +158,6 @@ async def _control_plane(
         yield runner
     finally:
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
 
 
 async def _timer(runtime: Runtime, runner: Runner, fetcher: FetcherSettings) -> None:

@@ -1,6 +1,6 @@
 """The control-plane routers, one set for ``ragstream up`` and the connector-fetcher service:
-connections, their syncs and status, re-chunk, re-index, embedding spaces and their fusion, replays
-and document reads."""
+connections, their syncs and status, re-chunk, re-index, runs of every kind, embedding spaces and
+their fusion, replays and document reads."""
 
 from __future__ import annotations
 
@@ -13,21 +13,19 @@ from fastapi import APIRouter
 
 from ragstream.api.connections import connections_router
 from ragstream.api.documents import documents_router
-from ragstream.api.rechunk import rechunk_router
-from ragstream.api.reindex import reindex_router
+from ragstream.api.rechunk import connection_rechunk, rechunk_router
+from ragstream.api.reindex import connection_reindex, reindex_router, spec_model_key
 from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.api.runs import runs_router
 from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import folder_syncs_router, sync_router
 from ragstream.control.runner import Runner
 from ragstream.credentials import CredentialCipher
-from ragstream.rechunk import Rechunker
-from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime, chosen_fusion
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
-from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.runs import RunInProgress, RunStore, Trigger
 from ragstream.storage.spaces import SpaceStore
 
@@ -38,15 +36,14 @@ def control_plane_routers(
     runtime: Runtime,
     runs: RunStore,
     runner: Runner,
-    reindexer: Reindexer,
-    rechunker: Rechunker,
     replay: Callable[[ReplayRequest], Awaitable[ReplayResult]],
     *,
     own_folders: Sequence[Path] = (),
 ) -> list[APIRouter]:
-    """Every control-plane route over a process's open ``runtime``. Sync runs are queued in ``runs``
-    and claimed by ``runner`` (woken at once); only ``replay`` differs by mode, since the embedded one
-    waits for the re-driven documents and the Kafka one reads the dead-letter topic too.
+    """Every control-plane route over a process's open ``runtime``. Runs of every kind are queued in
+    ``runs`` and claimed by ``runner`` (woken at once), or any replica's; only ``replay`` differs by
+    mode, since the embedded one waits for the re-driven documents and the Kafka one reads the
+    dead-letter topic too.
     ``own_folders``: folders the process syncs on its own, also allowed on ``POST /v1/syncs``."""
     settings = runtime.settings
 
@@ -70,13 +67,13 @@ def control_plane_routers(
             ConnectionStore(runtime.pool, CredentialCipher.from_settings(settings)),
             on_created=first_sync("create"),
             on_rag_enabled=first_sync("api"),
-            on_chunking_changed=rechunker.start,
-            on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
+            on_chunking_changed=connection_rechunk(runs, runner.wake),
+            on_embedding_changed=connection_reindex(runs, runner.wake),
             resolve_embedding=resolve_embedding,
             folder_roots=settings.folders.roots(),
             allow_private_networks=settings.outbound.allow_private_networks,
         ),
-        rechunk_router(rechunker, RechunkStore(runtime.pool)),
+        rechunk_router(runs, runner.wake),
         sync_router(lambda: runs, runner.wake),
         folder_syncs_router(
             runs,
@@ -87,7 +84,8 @@ def control_plane_routers(
             own_folders=own_folders,
         ),
         replay_router(replay),
-        reindex_router(reindexer, SpaceStore(runtime.pool)),
+        reindex_router(runs, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), runner.wake),
+        runs_router(runs),
         spaces_router(SpaceStore(runtime.pool), chosen_fusion(settings)),
         documents_router(lambda: reader),
     ]

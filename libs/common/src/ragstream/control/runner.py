@@ -26,12 +26,21 @@ from ragstream.degradation import EmbeddingDegraded
 from ragstream.jobs.progress import RunProgress, SyncProgress
 from ragstream.storage.runs import CONNECTION_ERRORS, Run, RunStatus, RunStore
 
-__all__ = ["CANCELLED_ON_REQUEST", "Job", "JobContext", "RunExecution", "RunOutcome", "Runner", "failure_reason"]
+__all__ = [
+    "CANCELLED_ON_REQUEST",
+    "PROCESS_STOPPED",
+    "Job",
+    "JobContext",
+    "RunExecution",
+    "RunOutcome",
+    "Runner",
+    "failure_reason",
+]
 
 logger = logging.getLogger(__name__)
 
 CANCELLED_ON_REQUEST = "cancelled on request"
-_PROCESS_STOPPED = "cancelled: the process stopped"
+PROCESS_STOPPED = "cancelled: the process stopped"
 # How long a run whose database went away keeps trying to record how it ended, and how often.
 _FINISH_PATIENCE_S = 120.0
 _FINISH_RETRY_S = 1.0
@@ -122,7 +131,7 @@ class RunExecution:
                     await writer
         except asyncio.CancelledError:
             with contextlib.suppress(*CONNECTION_ERRORS):  # the database is gone too: reap fails the run
-                await self._runs.finish(run.id, RunStatus.FAILED, _PROCESS_STOPPED, self.context.document())
+                await self._runs.finish(run.id, RunStatus.FAILED, PROCESS_STOPPED, self.context.document())
             raise
         except Exception as error:  # any failure ends the run failed, with its reason, never running
             logger.warning("%s run %s of %s failed", run.kind, run.id, run.connection_id, exc_info=True)

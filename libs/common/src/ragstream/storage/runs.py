@@ -29,6 +29,7 @@ import asyncpg
 
 from ragstream.connectors.registry import ConnectionRow
 from ragstream.credentials import CredentialCipher
+from ragstream.storage.run_params import RunKind, json_object
 
 __all__ = [
     "CONNECTION_ERRORS",
@@ -44,12 +45,9 @@ __all__ = [
     "RunStore",
     "Trigger",
     "connect_session",
-    "latest_params",
-    "record_params",
 ]
 
 Trigger = Literal["api", "create", "schedule", "cli"]
-RunKind = Literal["sync", "reindex", "rechunk", "replay"]
 
 # Serialises claims: count the running runs and take a queued one as one step. Any constant works.
 _CLAIM_LOCK = 0x73796E63
@@ -121,11 +119,6 @@ class RunInProgress(Exception):
         self.run = run
 
 
-def _json(value: Any) -> dict[str, Any]:
-    loaded = json.loads(value) if isinstance(value, str) else value
-    return dict(loaded or {})
-
-
 @dataclass(frozen=True, slots=True)
 class Run:
     """A run as its row stores it; ``progress`` is the document the job's progress writes."""
@@ -157,8 +150,8 @@ class Run:
             connection_id=row["connection_id"],
             trigger=row["trigger"],
             status=RunStatus(row["status"]),
-            params=_json(row["params"]),
-            progress=_json(row["progress"]),
+            params=json_object(row["params"]),
+            progress=json_object(row["progress"]),
             error=row["error"],
             cancel_requested=row["cancel_requested"],
             owner=row["owner"],
@@ -190,28 +183,13 @@ class ConnectionOverview:
 
 
 def _connection(row: asyncpg.Record, id_column: str = "id") -> ConnectionRow:
-    return ConnectionRow(id=row[id_column], platform=row["platform"], name=row["name"], config=_json(row["config"]))
+    return ConnectionRow(
+        id=row[id_column], platform=row["platform"], name=row["name"], config=json_object(row["config"])
+    )
 
 
 def _owner_key(run_id: int) -> int:
     return run_id % 2147483648
-
-
-async def record_params(connection: asyncpg.Connection, run_id: int, params: Mapping[str, Any]) -> None:
-    """Merge ``params`` into a run's, in the caller's transaction (a re-index names its target in the
-    same transaction that prepares it)."""
-    await connection.execute("UPDATE runs SET params = params || $2::jsonb WHERE id = $1", run_id, json.dumps(params))
-
-
-async def latest_params(connection: asyncpg.Connection, kind: RunKind, connection_id: str, key: str) -> list[Any]:
-    """The params of the connection's runs of ``kind`` that have ``key``, newest first."""
-    rows = await connection.fetch(
-        "SELECT params FROM runs WHERE kind = $1 AND connection_id = $2 AND params ? $3 ORDER BY id DESC",
-        kind,
-        connection_id,
-        key,
-    )
-    return [_json(row["params"]) for row in rows]
 
 
 class _RunOwner:
