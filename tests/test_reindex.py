@@ -18,6 +18,7 @@ import pytest
 
 from ragstream.api.http import create_app
 from ragstream.api.reindex import reindex_router, spec_model_key
+from ragstream.api.runs import runs_router
 from ragstream.connectors.folder import FolderConnector
 from ragstream.control.kinds import reindex_kind
 from ragstream.control.runner import CANCELLED_ON_REQUEST, Job, Runner, RunOutcome
@@ -357,3 +358,62 @@ async def test_a_document_whose_batches_came_from_two_models_is_refused_then_rep
         await runtime.indexer.run(batch(1, runtime.embedder.model_key))
     # The replay embeds every batch again with the active model: the parked old batch is replaced.
     assert await runtime.indexer.run(batch(0, runtime.embedder.model_key)) is not None
+
+
+async def test_a_reindex_run_by_one_replica_is_cancelled_through_another(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    """Replica A serves the API and runs nothing; replica B's runner claims the re-index. The cancel
+    asked through A reaches B at its next heartbeat: the run ends cancelled, the old space stays."""
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    before = answer(await search(runtime, QUERIES[0]))
+
+    async def ready() -> bool:
+        return True
+
+    runs_a, runs_b = RunStore(runtime.pool, runtime.dsn), RunStore(runtime.pool, runtime.dsn)
+    app_a = create_app(
+        lambda: runtime.retriever,
+        ready=ready,
+        routers=[
+            reindex_router(runs_a, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), lambda: None),
+            runs_router(runs_a),
+        ],
+    )
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1)
+    runner_b = Runner(runs_b, {"reindex": reindex_kind(reindexer)}, progress_interval_s=0.1, poll_interval_s=0.1)
+    fake_dashscope.delay_s = 0.5  # one chunk per call: the run lasts seconds
+    serving = asyncio.create_task(runner_b.serve())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_a), base_url="http://a") as client:
+            started = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
+            assert started.status_code == 202, started.text
+            run_id = started.json()["id"]
+            for _ in range(600):  # a deadline for a loaded machine, not a speed requirement
+                running = (await client.get(f"/v1/runs/{run_id}")).json()
+                if running["progress"].get("chunks_embedded"):
+                    break
+                await asyncio.sleep(0.05)
+            assert running["status"] == "running" and running["owner"] is not None
+            assert (running["kind"], running["params"]["target_key"]) == ("reindex", "dashscope-text-embedding-v3-256")
+            asked = await client.delete(f"/v1/runs/{run_id}")
+            assert asked.status_code == 202 and asked.json()["cancel_requested"] is True
+            for _ in range(600):
+                ended = (await client.get("/v1/reindex")).json()
+                if ended["status"] not in ("queued", "running"):
+                    break
+                await asyncio.sleep(0.05)
+            assert (ended["id"], ended["status"], ended["error"]) == (run_id, "cancelled", CANCELLED_ON_REQUEST)
+            assert 0 < ended["chunks_embedded"] < len(TOPICS)
+            listed = (await client.get("/v1/runs", params={"kind": "reindex"})).json()
+            assert [run["id"] for run in listed] == [run_id]
+            assert (await client.delete("/v1/reindex")).status_code == 404  # nothing active any more
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await runs_a.aclose()
+        await runs_b.aclose()
+    assert (await space_states(runtime))[LOCAL_KEY] == ("active", True)
+    response = await search(runtime, QUERIES[0])
+    assert response.embedding_space == LOCAL_KEY and answer(response) == before
