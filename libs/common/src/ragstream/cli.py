@@ -22,16 +22,23 @@ from ragstream.api.syncs import status_label, sync_counts
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
-from ragstream.control.kinds import rechunk_kind, reindex_kind, sync_kind
+from ragstream.control.kinds import (
+    DEAD_LETTER,
+    FAILURES,
+    pipeline_replay_kind,
+    rechunk_kind,
+    reindex_kind,
+    sync_kind,
+    topic_replay_kind,
+)
 from ragstream.control.runner import Job, Runner, RunOutcome
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
-from ragstream.jobs.progress import RunProgress
+from ragstream.jobs.progress import ReplayProgress, RunProgress
 from ragstream.jobs.sync import SyncReport
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
 from ragstream.settings import EmbeddingProvider, Settings
-from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
 from ragstream.storage.runs import ConnectionOverview, RagDisabled, RunInProgress, RunKind, RunStatus, RunStore
@@ -264,25 +271,35 @@ def replay(
     if dead_letter and kafka is None:
         raise typer.BadParameter("--dead-letter reads the topic: give --kafka BOOTSTRAP_SERVERS")
 
+    async def replayed(runtime: Runtime, job: Job) -> ReplayProgress | None:
+        params = {"source": DEAD_LETTER if dead_letter else FAILURES}
+        outcome = await _in_foreground(runtime, "replay", connection, params, lambda _: job, "docs", "failures")
+        if outcome.run is not None and outcome.run.error is not None:
+            console.print(f"[red]replay failed: {outcome.run.error}[/]", highlight=False)
+        return outcome.result if isinstance(outcome.result, ReplayProgress) else None
+
     async def run(runtime: Runtime) -> bool:
         if kafka is None:
-            counts, progress = await runtime.pipeline().replay(connection)
+            counts = await replayed(runtime, pipeline_replay_kind(runtime.pipeline))
             failures = await runtime.store.failures(connection)
         else:
             broker = create_broker(kafka, "replay")
             await broker.start()
             try:
-                service, sink = ReplayService(runtime.store), KafkaChangeSink(broker)
-                if dead_letter:
-                    counts = await service.dead_letters(dead_letters(kafka), sink, connection)
-                else:
-                    counts = await service.failures(sink, connection)
+                job = topic_replay_kind(runtime.store, KafkaChangeSink(broker), lambda: dead_letters(kafka))
+                counts = await replayed(runtime, job)
             finally:
                 await broker.stop()
-            progress, failures = None, []
+            failures = []
+        if counts is None:
+            return False
         console.print(
             f"replayed {counts.replayed}"
-            + (f" ({progress.indexed} indexed, {progress.failed} failed again)" if progress else " (published)")
+            + (
+                f" ({counts.indexed} indexed, {counts.failed_again} failed again)"
+                if counts.indexed is not None
+                else " (published)"
+            )
             + f"; {counts.needs_sync} need a sync (failed before staging); {counts.resolved} already resolved"
         )
         if failures:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from typing_extensions import override
 
 from ragstream.api.admission import SearchAdmission
@@ -19,9 +19,8 @@ from ragstream.api.control_plane import control_plane_routers
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.api.knowledge import knowledge_router
-from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.kinds import run_kinds
+from ragstream.control.kinds import FAILURES, pipeline_replay_kind, run_kinds
 from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
@@ -64,7 +63,9 @@ async def serve(
     )
     runner = Runner(
         runs,
-        run_kinds(runs, runtime.pipeline, runtime.reindexer(), runtime.rechunker()),
+        run_kinds(
+            runs, runtime.pipeline, runtime.reindexer(), runtime.rechunker(), pipeline_replay_kind(runtime.pipeline)
+        ),
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
@@ -168,24 +169,12 @@ def api_app(
     async def ready() -> bool:
         return await _ready(runtime, supervisor)
 
-    async def replay(request: ReplayRequest) -> ReplayResult:
-        if request.source == "dead-letter":
-            raise HTTPException(status_code=422, detail="embedded mode has no dead-letter topic: replay failures")
-        counts, replayed = await runtime.pipeline().replay(request.connection_id)
-        return ReplayResult(
-            replayed=counts.replayed,
-            needs_sync=counts.needs_sync,
-            resolved=counts.resolved,
-            indexed=replayed.indexed,
-            failed_again=replayed.failed,
-        )
-
     knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher or runtime.retriever)
     return create_app(
         (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
         ready=ready,
         routers=[
-            *control_plane_routers(runtime, runs, runner, replay, own_folders=own_folders),
+            *control_plane_routers(runtime, runs, runner, [FAILURES], own_folders=own_folders),
             knowledge_router(lambda: knowledge, admission=admission),
         ],
         title="ragstream",

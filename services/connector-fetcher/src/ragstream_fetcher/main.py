@@ -26,9 +26,8 @@ from ragstream.api.auth import Access
 from ragstream.api.control_plane import control_plane_routers
 from ragstream.api.http import create_app as create_http_app
 from ragstream.api.knowledge import knowledge_router
-from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.kinds import run_kinds
+from ragstream.control.kinds import DEAD_LETTER, FAILURES, run_kinds, topic_replay_kind
 from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
@@ -37,7 +36,6 @@ from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure
 from ragstream.knowledge.control_plane import writing_knowledge
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
-from ragstream.stages.replay import ReplayService
 from ragstream.storage.database import ping
 from ragstream.storage.downstream import DownstreamStore
 from ragstream.storage.runs import RagDisabled, RunInProgress, RunStore
@@ -130,25 +128,19 @@ async def _control_plane(
     )
     transport = KafkaTransport(broker, DownstreamStore(runtime.pool), poll_interval_s=settings.sync_progress_interval_s)
     job = SyncJob(runtime.store, transport, max_document_bytes=settings.max_document_bytes)
+    # A replay publishes the failed documents to doc.changed again, from the failures table or the
+    # dead-letter topic; the stage services take it from there.
+    replay = topic_replay_kind(
+        runtime.store, KafkaChangeSink(broker), lambda: dead_letters(settings.kafka_bootstrap_servers)
+    )
     runner = Runner(
         runs,
-        run_kinds(runs, lambda: job, runtime.reindexer(), runtime.rechunker()),
+        run_kinds(runs, lambda: job, runtime.reindexer(), runtime.rechunker(), replay),
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
 
-    async def replay(request: ReplayRequest) -> ReplayResult:
-        """Publish the failed documents to ``doc.changed`` again, from the failures table or the
-        dead-letter topic; the stage services take it from there."""
-        service, sink = ReplayService(runtime.store), KafkaChangeSink(broker)
-        if request.source == "dead-letter":
-            letters = dead_letters(settings.kafka_bootstrap_servers)
-            counts = await service.dead_letters(letters, sink, request.connection_id)
-        else:
-            counts = await service.failures(sink, request.connection_id)
-        return ReplayResult(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
-
-    for router in control_plane_routers(runtime, runs, runner, replay, own_folders=own_folders):
+    for router in control_plane_routers(runtime, runs, runner, [FAILURES, DEAD_LETTER], own_folders=own_folders):
         app.include_router(router)
     # The knowledge tool's writes start a sync run, which only the control plane can: here they are
     # served (the retriever serves the read-side actions and answers writes with not_served_here).

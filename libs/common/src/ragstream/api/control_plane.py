@@ -5,7 +5,7 @@ their fusion, replays and document reads."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from ragstream.api.connections import connections_router
 from ragstream.api.documents import documents_router
 from ragstream.api.rechunk import connection_rechunk, rechunk_router
 from ragstream.api.reindex import connection_reindex, reindex_router, spec_model_key
-from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
+from ragstream.api.replays import replay_router
 from ragstream.api.runs import runs_router
 from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import folder_syncs_router, sync_router
@@ -36,14 +36,14 @@ def control_plane_routers(
     runtime: Runtime,
     runs: RunStore,
     runner: Runner,
-    replay: Callable[[ReplayRequest], Awaitable[ReplayResult]],
+    replay_sources: Collection[str],
     *,
     own_folders: Sequence[Path] = (),
 ) -> list[APIRouter]:
     """Every control-plane route over a process's open ``runtime``. Runs of every kind are queued in
-    ``runs`` and claimed by ``runner`` (woken at once), or any replica's; only ``replay`` differs by
-    mode, since the embedded one waits for the re-driven documents and the Kafka one reads the
-    dead-letter topic too.
+    ``runs`` and claimed by ``runner`` (woken at once), or any replica's; a replay runs on ``runner``
+    in the request, from the ``replay_sources`` this mode can read (the Kafka mode reads the
+    dead-letter topic too).
     ``own_folders``: folders the process syncs on its own, also allowed on ``POST /v1/syncs``."""
     settings = runtime.settings
 
@@ -83,7 +83,7 @@ def control_plane_routers(
             folder_roots=settings.folders.roots(),
             own_folders=own_folders,
         ),
-        replay_router(replay),
+        replay_router(runs, runner, replay_sources),
         reindex_router(runs, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), runner.wake),
         runs_router(runs),
         spaces_router(SpaceStore(runtime.pool), chosen_fusion(settings)),

@@ -4,17 +4,36 @@ the mapping the runner is given (``run_kinds``) and named in ``runs.kind``'s che
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 
 from ragstream.chunking import parse_chunking
 from ragstream.connectors.registry import NoConnector, connector_for
 from ragstream.control.runner import Job, JobContext
+from ragstream.jobs.progress import ReplayProgress
 from ragstream.jobs.sync import SyncJob, SyncReport
+from ragstream.messages import DeadLetter
 from ragstream.rechunk import Rechunker, RechunkProgress
 from ragstream.reindex import Reindexer, ReindexProgress
+from ragstream.stages.fetch import ChangeSink
+from ragstream.stages.replay import ReplayService
+from ragstream.storage.documents import DocumentStore
 from ragstream.storage.runs import RunStore
 
-__all__ = ["rechunk_kind", "reindex_kind", "run_kinds", "sync_kind"]
+__all__ = [
+    "DEAD_LETTER",
+    "FAILURES",
+    "pipeline_replay_kind",
+    "rechunk_kind",
+    "reindex_kind",
+    "run_kinds",
+    "sync_kind",
+    "topic_replay_kind",
+]
+
+# What a replay re-drives (``params.source``): the failures table (every mode) or the dead-letter
+# topic (distributed mode only).
+FAILURES = "failures"
+DEAD_LETTER = "dead-letter"
 
 
 def sync_kind(runs: RunStore, job: Callable[[], SyncJob]) -> Job:
@@ -58,10 +77,57 @@ def rechunk_kind(rechunker: Rechunker) -> Job:
     return rechunk
 
 
-def run_kinds(runs: RunStore, job: Callable[[], SyncJob], reindexer: Reindexer, rechunker: Rechunker) -> dict[str, Job]:
-    """Every kind a control-plane process runs (``ragstream up``, the connector-fetcher)."""
+def pipeline_replay_kind(job: Callable[[], SyncJob]) -> Job:
+    """Embedded mode: re-drive the failures (of the run's connection, or all) through the pipeline,
+    and wait until they have indexed or failed again."""
+
+    async def replay(context: JobContext) -> ReplayProgress:
+        run = context.run
+        if run.params.get("source", FAILURES) != FAILURES:
+            raise ValueError("embedded mode has no dead-letter topic: replay failures")
+        counts, settled = await job().replay(run.connection_id, context.publish)
+        final = ReplayProgress(
+            replayed=counts.replayed,
+            needs_sync=counts.needs_sync,
+            resolved=counts.resolved,
+            indexed=settled.indexed,
+            failed_again=settled.failed,
+        )
+        context.publish(final)
+        return final
+
+    return replay
+
+
+def topic_replay_kind(
+    store: DocumentStore, sink: ChangeSink, letters: Callable[[], AsyncIterable[DeadLetter]] | None = None
+) -> Job:
+    """Distributed mode: publish the failures, or the dead ``letters`` (``params.source``), to
+    ``doc.changed`` again through ``sink``; the stage services take it from there."""
+
+    async def replay(context: JobContext) -> ReplayProgress:
+        run, service = context.run, ReplayService(store)
+        if run.params.get("source", FAILURES) == DEAD_LETTER:
+            if letters is None:
+                raise ValueError("no dead-letter topic to read here: replay failures")
+            counts = await service.dead_letters(letters(), sink, run.connection_id)
+        else:
+            counts = await service.failures(sink, run.connection_id)
+        final = ReplayProgress(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
+        context.publish(final)
+        return final
+
+    return replay
+
+
+def run_kinds(
+    runs: RunStore, job: Callable[[], SyncJob], reindexer: Reindexer, rechunker: Rechunker, replay: Job
+) -> dict[str, Job]:
+    """Every kind a control-plane process runs (``ragstream up``, the connector-fetcher); only the
+    sync job's transport and the ``replay`` kind differ by mode."""
     return {
         "sync": sync_kind(runs, job),
         "reindex": reindex_kind(reindexer),
         "rechunk": rechunk_kind(rechunker),
+        "replay": replay,
     }

@@ -14,7 +14,7 @@ from typing import Any
 
 from ragstream.storage.cursors import Direction
 
-__all__ = ["RunProgress", "SyncProgress"]
+__all__ = ["ReplayProgress", "RunProgress", "SyncProgress"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -124,4 +124,40 @@ class SyncProgress(RunProgress):
             "listing_done": self.listing_done,
             "direction": self.direction,
             "resumed": self.resumed,
+        }
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplayProgress(RunProgress):
+    """A replay's counts: failed documents re-driven, those a sync must fetch again, dead letters
+    resolved since; in embedded mode also how many indexed and failed again (the Kafka mode only
+    publishes, and its stage services take it from there)."""
+
+    replayed: int = 0
+    needs_sync: int = 0
+    resolved: int = 0
+    indexed: int | None = None
+    failed_again: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.replayed
+
+    @property
+    def done(self) -> int:
+        if self.indexed is None or self.failed_again is None:
+            return self.replayed
+        return self.indexed + self.failed_again
+
+    @property
+    def processed(self) -> int:
+        return self.done
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "replayed": self.replayed,
+            "needs_sync": self.needs_sync,
+            "resolved": self.resolved,
+            "indexed": self.indexed,
+            "failed_again": self.failed_again,
         }
