@@ -112,7 +112,7 @@ async def test_transient_failures_are_retried_and_the_connection_summarises_the_
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             status = (await client.get(f"/v1/connections/{connection}/status")).json()
         assert status["sync_error"] == summary
-        [line] = [line for line in await runs.overview() if line.connection.id == connection]
+        [line] = [line for line in await runs.overview() if line.connection_id == connection]
         assert line.sync_error == summary  # what ragstream status prints as the last error
         listed = await ConnectionStore(runtime.pool, CredentialCipher([])).get(connection)
         assert listed is not None and listed.sync_error == summary

@@ -544,9 +544,9 @@ def _status_row(item: ConnectionOverview) -> dict[str, Any]:
     run = item.latest
     progress = run.progress if run is not None else {}
     return {
-        "connection_id": item.connection.id,
-        "name": item.connection.name,
-        "platform": item.connection.platform,
+        "connection_id": item.connection_id,
+        "name": item.name,
+        "platform": item.platform,
         "rag_enabled": item.rag_enabled,
         "schedule_seconds": item.schedule_seconds,
         "status": status_label(run.status) if run is not None else None,

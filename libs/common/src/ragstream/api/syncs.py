@@ -145,7 +145,7 @@ def sync_router(runs: Callable[[], RunStore | None], on_enqueued: Callable[[], N
         store = runs()
         if store is None:
             raise HTTPException(status_code=503, detail="the index is still starting")
-        if await store.connection(connection_id) is None:
+        if await store.connections.get(connection_id) is None:
             raise HTTPException(status_code=404, detail="connection not found")
         return store
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Callable
 
 from ragstream.chunking import parse_chunking
-from ragstream.connectors.registry import NoConnector, connector_for
+from ragstream.connectors.registry import ConnectionRow, NoConnector, connector_for
 from ragstream.control.runner import Job, JobContext
 from ragstream.jobs.progress import ReplayProgress
 from ragstream.jobs.sync import SyncJob, SyncReport
@@ -41,9 +41,11 @@ def sync_kind(runs: RunStore, job: Callable[[], SyncJob]) -> Job:
 
     async def sync(context: JobContext) -> SyncReport:
         connection_id = context.run.connection_id
-        row = await runs.connection(connection_id) if connection_id is not None else None
-        if row is None:
+        found = await runs.connections.get(connection_id) if connection_id is not None else None
+        if found is None:
             raise NoConnector(f"connection {connection_id} no longer exists")
+        credentials = await runs.connections.credentials(found.id)
+        row = ConnectionRow(found.id, found.platform, found.name, found.config, credentials or {})
         return await job().sync(connector_for(row), context.publish)
 
     return sync

@@ -20,15 +20,15 @@ import json
 import os
 import socket
 from collections.abc import AsyncIterator, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
 import asyncpg
 
-from ragstream.connectors.registry import ConnectionRow
 from ragstream.credentials import CredentialCipher
+from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.run_params import RunKind, json_object
 
 __all__ = [
@@ -175,17 +175,13 @@ class Heartbeat:
 class ConnectionOverview:
     """A connection with its latest sync run: one line of ``ragstream status``."""
 
-    connection: ConnectionRow
+    connection_id: str
+    platform: str
+    name: str
     rag_enabled: bool
     schedule_seconds: int
     sync_error: str | None
     latest: Run | None
-
-
-def _connection(row: asyncpg.Record, id_column: str = "id") -> ConnectionRow:
-    return ConnectionRow(
-        id=row[id_column], platform=row["platform"], name=row["name"], config=json_object(row["config"])
-    )
 
 
 def _owner_key(run_id: int) -> int:
@@ -247,9 +243,9 @@ class RunStore:
 
     ``dsn`` is the pool's database: a run this store makes ``running`` (``claim``, a running
     ``start``) is owned by this store's session until ``finish``. Use one store per process and
-    ``aclose`` it on shutdown. ``cipher`` decrypts a connection's credentials for its connector
-    (``connection``); without one, a connection that has credentials cannot be synced
-    (``CredentialKeyMissing``)."""
+    ``aclose`` it on shutdown. ``connections`` reads the connection a sync builds its connector from,
+    with ``cipher`` decrypting its credentials; without one, a connection that has credentials cannot
+    be synced (``CredentialKeyMissing``)."""
 
     def __init__(
         self, pool: asyncpg.Pool, dsn: str, *, stale_timeout_s: float = 1800, cipher: CredentialCipher | None = None
@@ -257,7 +253,7 @@ class RunStore:
         self._pool = pool
         self._owner = _RunOwner(dsn)
         self._stale_timeout_s = stale_timeout_s
-        self._cipher = cipher or CredentialCipher([])
+        self.connections = ConnectionStore(pool, cipher or CredentialCipher([]))
         self.owner_name = f"{socket.gethostname()}:{os.getpid()}"
 
     async def aclose(self) -> None:
@@ -267,17 +263,6 @@ class RunStore:
         """Stop owning a run that ended without ``finish`` (failed elsewhere as stale): its lock
         would otherwise stay with this session until the process ends."""
         await self._owner.release(run_id)
-
-    async def connection(self, connection_id: str) -> ConnectionRow | None:
-        """The connection a run syncs, with its credentials decrypted for the connector."""
-        row = await self._pool.fetchrow(
-            "SELECT id, platform, name, config, credentials FROM connections WHERE id = $1", connection_id
-        )
-        if row is None:
-            return None
-        token = row["credentials"]
-        credentials = self._cipher.decrypt(bytes(token)) if token is not None else {}
-        return replace(_connection(row), credentials=credentials)
 
     async def set_schedule(self, connection_id: str, schedule_seconds: int) -> None:
         await self._pool.execute(
@@ -486,7 +471,7 @@ class RunStore:
         (or stale) are failed first, so the status never shows a dead sync as running."""
         await self.reap()
         rows = await self._pool.fetch(
-            "SELECT c.id AS c_id, c.platform, c.name, c.config, c.rag_enabled, c.schedule_seconds,"
+            "SELECT c.id AS c_id, c.platform, c.name, c.rag_enabled, c.schedule_seconds,"
             " connection_sync_error(c.id) AS sync_error,"
             " r.* FROM connections c LEFT JOIN LATERAL"
             " (SELECT * FROM runs WHERE kind = 'sync' AND connection_id = c.id ORDER BY id DESC LIMIT 1) r ON true"
@@ -494,7 +479,9 @@ class RunStore:
         )
         return [
             ConnectionOverview(
-                connection=_connection(row, "c_id"),
+                connection_id=row["c_id"],
+                platform=row["platform"],
+                name=row["name"],
                 rag_enabled=row["rag_enabled"],
                 schedule_seconds=row["schedule_seconds"],
                 sync_error=row["sync_error"],
