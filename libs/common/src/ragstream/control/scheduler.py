@@ -16,7 +16,15 @@ from collections.abc import Callable
 
 import asyncpg
 
-from ragstream.storage.runs import CONNECTION_ERRORS, RagDisabled, Run, RunInProgress, RunStore, connect_session
+from ragstream.storage.runs import (
+    CONNECTION_ERRORS,
+    RagDisabled,
+    Run,
+    RunInProgress,
+    RunStore,
+    still_leading,
+    try_lead,
+)
 
 __all__ = ["SCHEDULER_LOCK", "Scheduler"]
 
@@ -60,7 +68,7 @@ class Scheduler:
 
     async def step(self) -> list[Run]:
         """Become (or check that we still are) the leader; as leader, enqueue the due connections."""
-        if self._lock is not None and not await self._still_leading(self._lock):
+        if self._lock is not None and not await still_leading(self._lock):
             await self.stop()
         if self._lock is None:
             await self._try_lead()
@@ -78,28 +86,9 @@ class Scheduler:
         return enqueued
 
     async def _try_lead(self) -> None:
-        # Idle between steps: a server idle_session_timeout must not end the leadership.
-        connection = await connect_session(self._dsn)
-        try:
-            if await connection.fetchval("SELECT pg_try_advisory_lock($1)", SCHEDULER_LOCK):
-                self._lock = connection
-                logger.info("this process now schedules syncs")
-                return
-        except BaseException:
-            await connection.close()
-            raise
-        await connection.close()
-
-    @staticmethod
-    async def _still_leading(connection: asyncpg.Connection) -> bool:
-        """False when the lock's connection is gone (and with it the lock)."""
-        if connection.is_closed():
-            return False
-        try:
-            await connection.fetchval("SELECT 1")
-        except CONNECTION_ERRORS:
-            return False
-        return True
+        self._lock = await try_lead(self._dsn, SCHEDULER_LOCK)
+        if self._lock is not None:
+            logger.info("this process now schedules syncs")
 
     async def stop(self) -> None:
         """Give up leadership, so a follower takes over at its next step."""

@@ -45,6 +45,8 @@ __all__ = [
     "RunStore",
     "Trigger",
     "connect_session",
+    "still_leading",
+    "try_lead",
 ]
 
 Trigger = Literal["api", "create", "schedule", "cli"]
@@ -92,6 +94,32 @@ async def connect_session(dsn: str) -> asyncpg.Connection:
         await connection.close()
         raise
     return connection
+
+
+async def try_lead(dsn: str, key: int) -> asyncpg.Connection | None:
+    """A session of its own holding the advisory lock ``key`` for as long as it lives (a leadership
+    among replicas), or None when another session holds it. Idle between uses: a server
+    ``idle_session_timeout`` must not end it (``connect_session``)."""
+    connection = await connect_session(dsn)
+    try:
+        if await connection.fetchval("SELECT pg_try_advisory_lock($1)", key):
+            return connection
+    except BaseException:
+        await connection.close()
+        raise
+    await connection.close()
+    return None
+
+
+async def still_leading(connection: asyncpg.Connection) -> bool:
+    """False when the session that held a leadership is gone (and with it the lock)."""
+    if connection.is_closed():
+        return False
+    try:
+        await connection.fetchval("SELECT 1")
+    except CONNECTION_ERRORS:
+        return False
+    return True
 
 
 class RunStatus(StrEnum):
