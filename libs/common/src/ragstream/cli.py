@@ -108,10 +108,7 @@ async def _in_foreground(
     try:
         try:
             run = await runs.start(connection_id, "cli", kind=kind, params=params, running=True)
-        except RunInProgress as error:
-            console.print(f"[bold red]{label}[/]: {error} (ragstream status shows it)", highlight=False)
-            return RunOutcome(None, None)
-        except (RagDisabled, LookupError) as error:
+        except (RunInProgress, RagDisabled, LookupError) as error:
             console.print(f"[bold red]{label}[/]: {error}", highlight=False)
             return RunOutcome(None, None)
         runner = Runner(runs, {kind: job(runs)}, progress_interval_s=settings.sync_progress_interval_s)

@@ -97,6 +97,8 @@ def connection_reindex(
     of the spec (None: back to the default); ``ReindexBusy`` while one is active."""
 
     async def start(connection_id: str, spec: dict[str, Any] | None) -> None:
+        if any(run.connection_id is None for run in await runs.active_of_kind("reindex")):
+            raise ReindexBusy("a deployment-wide re-index is queued or running")
         try:
             await runs.start(connection_id, "api", kind="reindex", params={"spec": spec})
         except RunInProgress as error:
@@ -122,7 +124,7 @@ def reindex_router(
         "/v1/reindex",
         response_model=ReindexStatus,
         status_code=status.HTTP_202_ACCEPTED,
-        responses={409: {"description": "A re-index is queued or running"}},
+        responses={409: {"description": "A re-index (of the deployment or of a connection) is queued or running"}},
     )
     async def start_reindex(request: ReindexRequest) -> ReindexStatus:
         """Queue a re-index that builds the target model's index while search goes on with the current
@@ -135,6 +137,9 @@ def reindex_router(
         active = await store.active()
         if active is not None and active.model_key == key:
             raise HTTPException(status_code=422, detail=f"{key} is already the active embedding space")
+        if await runs.active_of_kind("reindex"):
+            # The deployment's and a connection's would refuse each other (``SpaceStore.exclusive``).
+            raise HTTPException(status_code=409, detail="a re-index is queued or running")
         run = await started(runs.start(None, "api", kind="reindex", params={"spec": spec, "target_key": key}), wake)
         return ReindexStatus.of(run)
 

@@ -73,10 +73,9 @@ def kind_routes(
     path: str,
     what: str,
     tags: list[str | Enum] | None = None,
-    cancellable: bool = True,
 ) -> None:
     """On ``router``: ``GET path``, the latest run of ``kind`` of the path's ``connection_id`` (or of
-    the deployment when the path has none), and ``DELETE path`` (``cancellable``), asking its active
+    the deployment when the path has none), and ``DELETE path``, asking its active
     run to stop, whichever replica executes it (202). ``view`` shapes the run as ``model``; ``what``
     names the kind in answers."""
 
@@ -122,16 +121,15 @@ def kind_routes(
         " a heartbeat, what it replaces stays in use, and starting it again resumes."
     )
     router.add_api_route(path, get_endpoint, methods=["GET"], response_model=model, responses=not_found, tags=tags)
-    if cancellable:
-        router.add_api_route(
-            path,
-            delete_endpoint,
-            methods=["DELETE"],
-            response_model=model,
-            status_code=status.HTTP_202_ACCEPTED,
-            responses=not_found,
-            tags=tags,
-        )
+    router.add_api_route(
+        path,
+        delete_endpoint,
+        methods=["DELETE"],
+        response_model=model,
+        status_code=status.HTTP_202_ACCEPTED,
+        responses=not_found,
+        tags=tags,
+    )
 
 
 def runs_router(runs: RunStore) -> APIRouter:

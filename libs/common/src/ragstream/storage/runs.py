@@ -315,6 +315,8 @@ class RunStore:
 
         ``running`` starts it at once, owned by this store, outside the concurrency limit: a
         foreground ``ragstream ingest`` runs its own sync, and no runner may claim it in between."""
+        if kind == "sync" and connection_id is None:
+            raise ValueError("a sync run needs a connection")
         document = json.dumps(dict(params or {}))
         for _ in range(2):
             try:
@@ -453,6 +455,11 @@ class RunStore:
     async def get(self, run_id: int) -> Run | None:
         row = await self._pool.fetchrow("SELECT * FROM runs WHERE id = $1", run_id)
         return Run.from_row(row) if row is not None else None
+
+    async def active_of_kind(self, kind: RunKind) -> list[Run]:
+        """The queued or running runs of ``kind``, of every scope, oldest first."""
+        rows = await self._pool.fetch(f"SELECT * FROM runs WHERE kind = $1 AND {_ACTIVE} ORDER BY id", kind)
+        return [Run.from_row(row) for row in rows]
 
     async def active(self, connection_id: str | None, *, kind: RunKind = "sync") -> Run | None:
         row = await self._pool.fetchrow(
