@@ -21,13 +21,13 @@ from ragstream.chunking import ChunkingConfig, MarkdownChunking, RecursiveChunki
 from ragstream.connectors.folder import FolderConnector
 from ragstream.control.kinds import rechunk_kind
 from ragstream.control.runner import CANCELLED_ON_REQUEST, PROCESS_STOPPED, Runner
+from ragstream.core.search import SearchFilters
 from ragstream.credentials import CredentialCipher
 from ragstream.jobs.progress import RunProgress
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, DocumentIndexed
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.rechunk import Rechunker
 from ragstream.retrieval import SearchRequest
-from ragstream.retrieval.models import SearchFilters
 from ragstream.runtime import Runtime
 from ragstream.settings import Settings
 from ragstream.stages.index import IndexService

@@ -13,9 +13,9 @@ import uvicorn
 from fastapi import FastAPI
 from typing_extensions import override
 
-from ragstream.api.admission import SearchAdmission
+from ragstream.admission import SearchAdmission
 from ragstream.api.auth import Access
-from ragstream.api.control_plane import control_plane_routers
+from ragstream.api.control_plane import control_plane_routers, writing_knowledge
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.api.knowledge import knowledge_router
@@ -24,7 +24,6 @@ from ragstream.control.kinds import FAILURES, pipeline_replay_kind, run_kinds
 from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
-from ragstream.knowledge.control_plane import writing_knowledge
 from ragstream.knowledge.service import KnowledgeService
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
@@ -97,6 +96,7 @@ async def serve(
             host=host,
             port=port,
             log_level="warning",
+            log_config=None,  # its records go through the handler of ragstream.logs, in its format
             timeout_keep_alive=_KEEP_ALIVE_S,
             timeout_graceful_shutdown=round(settings.shutdown_timeout_s),
         )

@@ -19,6 +19,7 @@ from typing import Any
 
 from ragstream.chunking import Chunker, ChunkingConfig
 from ragstream.contextual import ChunkContextualizer, TitledChunk
+from ragstream.core.errors import DocumentError, RagstreamError
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.jobs.progress import RunProgress
 from ragstream.stages.chunk import ChunkService
@@ -36,11 +37,11 @@ __all__ = ["RechunkBusy", "RechunkFailed", "RechunkProgress", "Rechunker", "Unkn
 logger = logging.getLogger(__name__)
 
 
-class MissingContent(Exception):
+class MissingContent(DocumentError):
     """The committed version's staged content is gone: only a sync can bring the document back."""
 
 
-class RechunkFailed(Exception):
+class RechunkFailed(RagstreamError):
     """Documents could not be rebuilt: the run fails and the active version stays."""
 
 

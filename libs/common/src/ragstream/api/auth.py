@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ragstream.core.errors import ConfigurationError
 from ragstream.settings import ApiKeys, Role
 from ragstream.telemetry import TracingMiddleware
 
@@ -42,19 +43,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Probes and metrics (a mounted metrics app answers on /metrics/), and the API's description (the code
+# Probes, metrics and the API's description (the code
 # is public, so its shape is no secret; the Swagger UI could not send a key for it anyway). Exact
 # paths: /docs/x is not open.
-OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/metrics", "/metrics/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
-)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 
 _ROLE_ATTRIBUTE = "__ragstream_role__"
 _FORBIDDEN = "this API key may not call this route"
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 
 
-class AccessSetupError(RuntimeError):
+class AccessSetupError(ConfigurationError, RuntimeError):
     """The settings do not allow serving as asked (no keys where they are required)."""
 
 

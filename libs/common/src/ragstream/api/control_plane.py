@@ -1,6 +1,7 @@
 """The control-plane routers, one set for ``ragstream up`` and the connector-fetcher service:
 connections, their syncs and status, re-chunk, re-index, runs of every kind, embedding spaces and
-their fusion, replays and document reads."""
+their fusion, replays and document reads; and the knowledge tool as the control plane serves it,
+whose writes start syncs."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import folder_syncs_router, sync_router
 from ragstream.control.runner import Runner
 from ragstream.credentials import CredentialCipher
+from ragstream.knowledge.models import IndexingState
+from ragstream.knowledge.service import KnowledgeService, Searcher
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime, chosen_fusion
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore
-from ragstream.storage.runs import RunInProgress, RunStore, Trigger
+from ragstream.storage.runs import RagDisabled, RunInProgress, RunStore, Trigger
 from ragstream.storage.spaces import SpaceStore
 
-__all__ = ["control_plane_routers"]
+__all__ = ["control_plane_routers", "writing_knowledge"]
 
 
 def control_plane_routers(
@@ -89,3 +92,23 @@ def control_plane_routers(
         spaces_router(SpaceStore(runtime.pool), chosen_fusion(settings)),
         documents_router(lambda: reader),
     ]
+
+
+def writing_knowledge(
+    runtime: Runtime, runs: RunStore, runner: Runner, searcher: Callable[[], Searcher | None]
+) -> KnowledgeService:
+    """A document written to a RAG connection starts a sync run of it (``runs``, claimed by ``runner``)."""
+
+    async def sync_written(connection_id: str) -> IndexingState:
+        """Only the changed document is downloaded again; if a sync is running, its successor (the
+        next one started) picks it up."""
+        try:
+            await runs.start(connection_id, "api")
+        except RunInProgress:
+            return "sync_running"
+        except RagDisabled:  # switched off meanwhile: searched live
+            return "live"
+        runner.wake()
+        return "sync_started"
+
+    return runtime.knowledge(searcher, on_written=sync_written)

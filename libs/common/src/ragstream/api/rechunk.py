@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ragstream.api.runs import RunState, kind_routes, started
 from ragstream.chunking import ChunkingConfig
-from ragstream.rechunk import RechunkBusy
-from ragstream.storage.runs import Run, RunInProgress, RunStore
+from ragstream.storage.runs import Run, RunStore
 
 __all__ = ["RechunkRequest", "RechunkStatus", "connection_rechunk", "rechunk_router"]
 
@@ -81,14 +80,11 @@ def _start(runs: RunStore, connection_id: str, chunking: ChunkingConfig) -> Awai
 
 
 def connection_rechunk(runs: RunStore, wake: Callable[[], None]) -> Callable[[str, ChunkingConfig], Awaitable[None]]:
-    """What a change of a connection's chunking config does: queue its re-chunk run; ``RechunkBusy``
-    while one is active."""
+    """What a change of a connection's chunking config does: queue its re-chunk run; ``RunInProgress``
+    (a 409) while one is active."""
 
     async def start(connection_id: str, chunking: ChunkingConfig) -> None:
-        try:
-            await _start(runs, connection_id, chunking)
-        except RunInProgress as error:
-            raise RechunkBusy(str(error)) from None
+        await _start(runs, connection_id, chunking)
         wake()
 
     return start

@@ -13,22 +13,17 @@ from fastapi import APIRouter, HTTPException, status
 from pydantic import BaseModel, Field
 
 from ragstream.api.runs import RunState, kind_routes, started
+from ragstream.embedding.config import EmbedderConfig
 from ragstream.embedding.spaces import ActiveSpace
-from ragstream.reindex import ReindexBusy, UnknownConnection
-from ragstream.settings import EmbeddingProvider
-from ragstream.storage.runs import Run, RunInProgress, RunStore
+from ragstream.reindex import ReindexBusy
+from ragstream.storage.runs import Run, RunStore
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["ReindexRequest", "ReindexStatus", "connection_reindex", "reindex_router", "spec_model_key"]
 
 
-class ReindexRequest(BaseModel):
-    """The target embedder, as ``RAGSTREAM_EMBEDDER_*`` would configure it; the key is the process's own."""
-
-    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")]
-    model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
-    dimension: Annotated[int | None, Field(title="Vector dimension", ge=1, description="Provider default.")] = None
-    base_url: Annotated[str | None, Field(title="Endpoint base URL")] = None
+ReindexRequest = EmbedderConfig
+"""The target embedder, as ``RAGSTREAM_EMBEDDER_*`` would configure it; the key is the process's own."""
 
 
 class ReindexStatus(BaseModel):
@@ -94,17 +89,13 @@ def connection_reindex(
     runs: RunStore, wake: Callable[[], None]
 ) -> Callable[[str, dict[str, Any] | None], Awaitable[None]]:
     """What a change of a connection's ``config.embedding`` does: queue its re-index run to the model
-    of the spec (None: back to the default); ``ReindexBusy`` while one is active."""
+    of the spec (None: back to the default); ``ReindexBusy`` while a deployment-wide one is active,
+    ``RunInProgress`` while the connection's is (both a 409), ``UnknownConnection`` (404)."""
 
     async def start(connection_id: str, spec: dict[str, Any] | None) -> None:
         if any(run.connection_id is None for run in await runs.active_of_kind("reindex")):
             raise ReindexBusy("a deployment-wide re-index is queued or running")
-        try:
-            await runs.start(connection_id, "api", kind="reindex", params={"spec": spec})
-        except RunInProgress as error:
-            raise ReindexBusy(str(error)) from None
-        except LookupError:
-            raise UnknownConnection(connection_id) from None
+        await runs.start(connection_id, "api", kind="reindex", params={"spec": spec})
         wake()
 
     return start

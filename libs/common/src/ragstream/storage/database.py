@@ -12,6 +12,9 @@ import asyncpg
 from asyncpg.pool import PoolAcquireContext
 from pgvector.asyncpg import register_vector
 
+from ragstream.core.errors import Unavailable
+from ragstream.metrics import DB_POOL_WAIT
+
 __all__ = [
     "DatabaseBusy",
     "DatabaseUnavailable",
@@ -32,13 +35,19 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
     await register_vector(connection)
 
 
-class DatabaseBusy(TimeoutError):
+class DatabaseBusy(Unavailable, TimeoutError):
     """The database could not serve in time: no pool connection within the acquire timeout, or a
     statement cancelled by its ``statement_timeout``. Transient: the API answers 503 with Retry-After."""
 
+    code = "database_busy"
+    public_reason = "the database is busy"
 
-class DatabaseUnavailable(ConnectionError):
+
+class DatabaseUnavailable(Unavailable, ConnectionError):
     """The database is down for now (the embedded PostgreSQL being restarted); the message says why."""
+
+    code = "database_unavailable"
+    public_reason = "the database is unavailable"
 
 
 class _BoundedAcquire(PoolAcquireContext):  # type: ignore[misc]  # asyncpg ships no types
@@ -48,7 +57,8 @@ class _BoundedAcquire(PoolAcquireContext):  # type: ignore[misc]  # asyncpg ship
 
     async def __aenter__(self) -> Any:
         try:
-            return await super().__aenter__()
+            with DB_POOL_WAIT.time():
+                return await super().__aenter__()
         except TimeoutError:
             raise DatabaseBusy(f"no database connection free within {self.timeout} s") from None
 

@@ -27,9 +27,11 @@ from typing import Any, Literal
 
 import asyncpg
 
+from ragstream.core.errors import Conflict
 from ragstream.credentials import CredentialCipher
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.run_params import RunKind, json_object
+from ragstream.storage.spaces import UnknownConnection
 
 __all__ = [
     "CONNECTION_ERRORS",
@@ -132,14 +134,14 @@ class RunStatus(StrEnum):
     CANCELLED = "cancelled"
 
 
-class RagDisabled(Exception):
+class RagDisabled(Conflict):
     """The connection has RAG off (or is gone): it is served by direct search and nothing is indexed."""
 
     def __init__(self, connection_id: str) -> None:
         super().__init__(f"RAG is off for connection {connection_id}: turn rag_enabled on to index it")
 
 
-class RunInProgress(Exception):
+class RunInProgress(Conflict):
     """The scope already has a queued or running run of this kind that is not stale (the API's 409)."""
 
     def __init__(self, kind: str, run: Run | None) -> None:
@@ -311,7 +313,7 @@ class RunStore:
         """Queue a run of ``kind`` for the connection (None: the deployment). If the active one's owner
         is gone, or it is silent past the stale timeout, it is failed first; otherwise
         ``RunInProgress`` (with the active run). ``RagDisabled`` when a sync's connection has RAG off
-        or is gone, ``LookupError`` when another kind's connection is gone.
+        or is gone, ``UnknownConnection`` when another kind's connection is gone.
 
         ``running`` starts it at once, owned by this store, outside the concurrency limit: a
         foreground ``ragstream ingest`` runs its own sync, and no runner may claim it in between."""
@@ -329,7 +331,7 @@ class RunStore:
                 return Run.from_row(row)
             if kind == "sync" and connection_id is not None:
                 raise RagDisabled(connection_id)
-            raise LookupError(f"connection {connection_id} not found")
+            raise UnknownConnection(f"connection {connection_id} not found")
         raise RunInProgress(kind, await self.active(connection_id, kind=kind))
 
     async def _insert(
