@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragstream.api.runs import RunState, kind_routes, started
+from ragstream.api.runs import RunState, kind_routes
 from ragstream.chunking import ChunkingConfig
 from ragstream.storage.runs import Run, RunStore
 
@@ -107,7 +107,8 @@ def rechunk_router(runs: RunStore, wake: Callable[[], None]) -> APIRouter:
         """Queue a rebuild of the connection's chunks with ``chunking`` while search goes on with the
         current ones; switched in atomically when complete (the connection's config then shows it).
         Starting again after a failure or a cancellation resumes. Progress: ``GET`` on the same path."""
-        run = await started(_start(runs, connection_id, request.chunking), wake)
+        run = await _start(runs, connection_id, request.chunking)
+        wake()
         return RechunkStatus.of(run)
 
     kind_routes(

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, status
 from pydantic import BaseModel, Field
 
-from ragstream.api.runs import RunState, kind_routes, started
+from ragstream.api.runs import RunState, kind_routes
 from ragstream.embedding.config import EmbedderConfig
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.reindex import ReindexBusy
@@ -131,7 +131,8 @@ def reindex_router(
         if await runs.active_of_kind("reindex"):
             # The deployment's and a connection's would refuse each other (``SpaceStore.exclusive``).
             raise HTTPException(status_code=409, detail="a re-index is queued or running")
-        run = await started(runs.start(None, "api", kind="reindex", params={"spec": spec, "target_key": key}), wake)
+        run = await runs.start(None, "api", kind="reindex", params={"spec": spec, "target_key": key})
+        wake()
         return ReindexStatus.of(run)
 
     kind_routes(router, runs, "reindex", ReindexStatus, ReindexStatus.of, path="/v1/reindex", what="re-index")

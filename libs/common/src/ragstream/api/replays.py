@@ -10,7 +10,6 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
-from ragstream.api.runs import started
 from ragstream.control.runner import Runner
 from ragstream.jobs.progress import ReplayProgress
 from ragstream.storage.runs import RunStore
@@ -58,9 +57,7 @@ def replay_router(runs: RunStore, runner: Runner, sources: Collection[str]) -> A
         if request.source not in sources:
             raise HTTPException(status_code=422, detail=f"this mode has no {request.source} to replay: replay failures")
         params = {"source": request.source}
-        run = await started(
-            runs.start(request.connection_id, "api", kind="replay", params=params, running=True), lambda: None
-        )
+        run = await runs.start(request.connection_id, "api", kind="replay", params=params, running=True)
         outcome = await runner.execute(run)
         replayed = outcome.result
         if not isinstance(replayed, ReplayProgress):

@@ -1,6 +1,8 @@
 """``/v1/runs``: every run of every kind (sync, re-index, re-chunk, replay), listed, read, and cancelled
 from any replica; and the one shape of a kind's own routes (``kind_routes``): its latest run, and a
-cancel of its active one."""
+cancel of its active one. A start refused because one of its kind and scope is active
+(``RunInProgress``) answers 409, one of a connection that is gone (``UnknownConnection``) 404, through
+the API's error mapping."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi import APIRouter, HTTPException, Query, status
 from pydantic import BaseModel, Field
 
-from ragstream.storage.runs import Run, RunInProgress, RunKind, RunStore
+from ragstream.storage.runs import Run, RunKind, RunStore
 
-__all__ = ["RunState", "RunView", "kind_routes", "runs_router", "started"]
+__all__ = ["RunState", "RunView", "kind_routes", "runs_router"]
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 _View = TypeVar("_View", bound=BaseModel)
@@ -50,19 +52,6 @@ class RunView(BaseModel):
         return cls.model_validate(run, from_attributes=True)
 
 
-async def started(start: Awaitable[Run], wake: Callable[[], None]) -> Run:
-    """A run just queued (the runner woken), or the API's answer why not: 409 while one of its kind
-    and scope is active, 404 when its connection is gone."""
-    try:
-        run = await start
-    except RunInProgress as error:
-        raise HTTPException(status_code=409, detail=str(error)) from None
-    except LookupError as error:
-        raise HTTPException(status_code=404, detail=str(error)) from None
-    wake()
-    return run
-
-
 def kind_routes(
     router: APIRouter,
     runs: RunStore,
@@ -79,18 +68,20 @@ def kind_routes(
     run to stop, whichever replica executes it (202). ``view`` shapes the run as ``model``; ``what``
     names the kind in answers."""
 
+    def none_of(connection_id: str | None, which: str) -> HTTPException:
+        whose = f" of connection {connection_id!r}" if connection_id else ""
+        return HTTPException(status_code=404, detail=f"no {what}{whose} {which}")
+
     async def latest(connection_id: str | None) -> _View:
         run = await runs.latest(connection_id, kind=kind)
         if run is None:
-            whose = f" of connection {connection_id!r}" if connection_id else ""
-            raise HTTPException(status_code=404, detail=f"no {what}{whose} has run")
+            raise none_of(connection_id, "has run")
         return view(run)
 
     async def cancel(connection_id: str | None) -> _View:
         active = await runs.active(connection_id, kind=kind)
         if active is None:
-            whose = f" of connection {connection_id!r}" if connection_id else ""
-            raise HTTPException(status_code=404, detail=f"no {what}{whose} is queued or running")
+            raise none_of(connection_id, "is queued or running")
         cancelled = await runs.request_cancel(active.id)
         return view(cancelled if cancelled is not None else active)
 
