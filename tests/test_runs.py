@@ -94,10 +94,10 @@ async def test_a_registered_kind_runs_with_progress_rate_and_eta(pool: tuple[asy
     connections, dsn = pool
     store = RunStore(connections, dsn)
     crawl = Crawl(pages=10, hold_at=4)
-    # One function and one registry entry; the kind's name must be one of runs.kind's.
-    runner = Runner(store, {"replay": crawl}, progress_interval_s=0.05)
+    # One function and one registry entry: the table takes any kind a runner registers.
+    runner = Runner(store, {"crawl": crawl}, progress_interval_s=0.05)
     try:
-        queued = await store.start("wiki", "api", kind="replay", params={"seed": "https://example.org"})
+        queued = await store.start("wiki", "api", kind="crawl", params={"seed": "https://example.org"})
         assert queued.status is RunStatus.QUEUED
         [task] = await runner.claim_pending()
         await crawl.held.wait()
@@ -122,15 +122,15 @@ async def test_a_cancel_asked_elsewhere_stops_the_job_and_ends_the_run_cancelled
     connections, dsn = pool
     owner, elsewhere = RunStore(connections, dsn), RunStore(connections, dsn)
     crawl = Crawl(pages=10, hold_at=3)
-    runner = Runner(owner, {"replay": crawl}, progress_interval_s=0.05)
+    runner = Runner(owner, {"crawl": crawl}, progress_interval_s=0.05)
     try:
-        run = await elsewhere.start(None, "api", kind="replay")
+        run = await elsewhere.start(None, "api", kind="crawl")
         [task] = await runner.claim_pending()
         await crawl.held.wait()
         asked = await elsewhere.request_cancel(run.id)
         assert asked is not None and asked.cancel_requested and asked.status is RunStatus.RUNNING
         outcome = await task  # the job never resumes: only the cancel ends it
-        queued = await elsewhere.start(None, "api", kind="replay")
+        queued = await elsewhere.start(None, "api", kind="crawl")
         dropped = await elsewhere.request_cancel(queued.id)  # never claimed: cancelled at once
     finally:
         await owner.aclose()

@@ -1,6 +1,6 @@
 """The kinds of run the runner executes, each one function of a ``JobContext``: sync, re-index,
 re-chunk and replay. A new kind (a crawl, a webhook batch) is one more such function, registered in
-the mapping the runner is given (``run_kinds``) and named in ``runs.kind``'s check."""
+the mapping the runner is given (``run_kinds``) and named in ``RunKind`` for the API's schema."""
 
 from __future__ import annotations
 

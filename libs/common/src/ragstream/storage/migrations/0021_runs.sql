@@ -12,7 +12,8 @@
 -- computed in one place (ragstream.jobs.progress).
 CREATE TABLE runs (
     id                bigserial PRIMARY KEY,
-    kind              text NOT NULL CHECK (kind IN ('sync', 'reindex', 'rechunk', 'replay')),
+    -- Any kind a runner registers (ragstream.control.kinds): a new kind needs no migration.
+    kind              text NOT NULL,
     -- NULL: the deployment (a deployment-wide re-index, a replay of every connection).
     connection_id     text REFERENCES connections (id) ON DELETE CASCADE,
     trigger           text NOT NULL CHECK (trigger IN ('api', 'create', 'schedule', 'cli')),
