@@ -12,9 +12,11 @@ from typing import Any
 
 import asyncpg
 import pytest
+from prometheus_client import REGISTRY
 
 from ragstream.control.runner import CANCELLED_ON_REQUEST, JobContext, Runner
 from ragstream.jobs.progress import RunProgress
+from ragstream.logs import current_context
 from ragstream.storage.database import connect_pool
 from ragstream.storage.runs import RunStatus, RunStore
 from tests.support.connections import private_database
@@ -51,9 +53,11 @@ class Crawl:
         self.held = asyncio.Event()
         self.resume = asyncio.Event()
         self.params: list[dict[str, Any]] = []
+        self.log_ids: list[dict[str, str]] = []
 
     async def __call__(self, context: JobContext) -> str:
         self.params.append(context.run.params)
+        self.log_ids.append(dict(current_context()))
         progress = PagesProgress(pages=self.pages)
         for _ in range(self.pages):
             if progress.crawled == self.hold_at:
@@ -96,6 +100,8 @@ async def test_a_registered_kind_runs_with_progress_rate_and_eta(pool: tuple[asy
     crawl = Crawl(pages=10, hold_at=4)
     # One function and one registry entry: the table takes any kind a runner registers.
     runner = Runner(store, {"crawl": crawl}, progress_interval_s=0.05)
+    succeeded = {"kind": "crawl", "status": "succeeded"}
+    finished_before = REGISTRY.get_sample_value("ragstream_runs_finished_total", succeeded) or 0
     try:
         queued = await store.start("wiki", "api", kind="crawl", params={"seed": "https://example.org"})
         assert queued.status is RunStatus.QUEUED
@@ -111,6 +117,9 @@ async def test_a_registered_kind_runs_with_progress_rate_and_eta(pool: tuple[asy
     finally:
         await store.aclose()
     assert outcome.result == "crawled" and crawl.params == [{"seed": "https://example.org"}]
+    # The job's log records carry its run and connection; the run's end is counted by kind and status.
+    assert crawl.log_ids == [{"connection_id": "wiki", "run_id": str(queued.id)}]
+    assert REGISTRY.get_sample_value("ragstream_runs_finished_total", succeeded) == finished_before + 1
     assert outcome.run is not None and outcome.run.status is RunStatus.SUCCEEDED
     assert (outcome.run.progress["done"], outcome.run.progress["eta_seconds"]) == (10, None)
     assert outcome.run.finished_at is not None and outcome.run.error is None

@@ -24,6 +24,8 @@ from typing import Any
 from ragstream.connectors.registry import NoConnector
 from ragstream.degradation import EmbeddingDegraded
 from ragstream.jobs.progress import RunProgress, SyncProgress
+from ragstream.logs import log_context
+from ragstream.metrics import RUNS_FINISHED
 from ragstream.storage.runs import CONNECTION_ERRORS, Run, RunStatus, RunStore
 
 __all__ = [
@@ -146,7 +148,9 @@ class RunExecution:
         deadline = asyncio.get_running_loop().time() + _FINISH_PATIENCE_S
         while True:
             try:
-                return await self._runs.finish(run_id, status, reason, self.context.document())
+                finished = await self._runs.finish(run_id, status, reason, self.context.document())
+                RUNS_FINISHED.labels(self.context.run.kind, status.value).inc()
+                return finished
             except CONNECTION_ERRORS as error:
                 if asyncio.get_running_loop().time() > deadline:
                     logger.warning("run %s not finished, the database stays unreachable: %s", run_id, error)
@@ -259,9 +263,10 @@ class Runner:
         context = JobContext(run, notify)
         execution = RunExecution(self.runs, context, progress_interval_s=self._progress_interval_s)
         job = self.kinds.get(run.kind)
-        if job is None:
-            return await execution.execute(_unknown_kind(run.kind))
-        return await execution.execute(_call(job, context))
+        with log_context(connection_id=run.connection_id, run_id=str(run.id)):
+            if job is None:
+                return await execution.execute(_unknown_kind(run.kind))
+            return await execution.execute(_call(job, context))
 
 
 async def _call(job: Job, context: JobContext) -> object:
