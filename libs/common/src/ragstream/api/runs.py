@@ -26,7 +26,9 @@ class RunView(BaseModel):
     """A run of any kind as its row stores it."""
 
     id: Annotated[int, Field(title="Run id")]
-    kind: Annotated[RunKind, Field(title="Kind", description="sync, reindex, rechunk or replay.")]
+    kind: Annotated[
+        str, Field(title="Kind", description="sync, reindex, rechunk, replay, or another kind a runner registers.")
+    ]
     connection_id: Annotated[str | None, Field(title="Connection", description="None: the deployment.")] = None
     trigger: Annotated[str, Field(title="What started it", description="api, create, schedule or cli.")]
     status: Annotated[RunState, Field(title="Run status")]
