@@ -379,7 +379,9 @@ class RunStore:
                 "UPDATE runs SET status = 'running', started_at = now(), heartbeat_at = now(), owner = $3"
                 " WHERE id = (SELECT q.id FROM runs q WHERE q.status = 'queued' AND q.kind = ANY($1::text[])"
                 "  AND (SELECT count(*) FROM runs r WHERE r.status = 'running' AND r.kind = q.kind) < $2"
-                "  ORDER BY q.id LIMIT 1) RETURNING *",
+                "  ORDER BY q.id LIMIT 1)"
+                # Checked again on the locked row: a cancel committed since the subquery read it wins.
+                " AND status = 'queued' RETURNING *",
                 list(kinds),
                 max_concurrent,
                 self.owner_name,
