@@ -89,7 +89,9 @@ async def api(runtime: Runtime, reindexer: Reindexer) -> AsyncIterator[httpx.Asy
         ready=ready,
         routers=[
             connections_router(
-                connections, on_embedding_changed=connection_reindex(runs, runner.wake), resolve_embedding=resolve
+                connections,
+                on_embedding_changed=connection_reindex(runs, runtime.spaces, SpaceStore(runtime.pool), runner.wake),
+                resolve_embedding=resolve,
             ),
             reindex_router(runs, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), runner.wake),
         ],

@@ -71,7 +71,7 @@ def control_plane_routers(
             on_created=first_sync("create"),
             on_rag_enabled=first_sync("api"),
             on_chunking_changed=connection_rechunk(runs, runner.wake),
-            on_embedding_changed=connection_reindex(runs, runner.wake),
+            on_embedding_changed=connection_reindex(runs, runtime.spaces, SpaceStore(runtime.pool), runner.wake),
             resolve_embedding=resolve_embedding,
             folder_roots=settings.folders.roots(),
             allow_private_networks=settings.outbound.allow_private_networks,

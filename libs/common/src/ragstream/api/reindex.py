@@ -86,13 +86,19 @@ def spec_model_key(spaces: ActiveSpace) -> Callable[[dict[str, Any]], Awaitable[
 
 
 def connection_reindex(
-    runs: RunStore, wake: Callable[[], None]
+    runs: RunStore, spaces: ActiveSpace, store: SpaceStore, wake: Callable[[], None]
 ) -> Callable[[str, dict[str, Any] | None], Awaitable[None]]:
     """What a change of a connection's ``config.embedding`` does: queue its re-index run to the model
-    of the spec (None: back to the default); ``ReindexBusy`` while a deployment-wide one is active,
-    ``RunInProgress`` while the connection's is (both a 409), ``UnknownConnection`` (404)."""
+    of the spec (None: back to the default). Refused before anything is queued: a model that cannot
+    be built (a missing key) or that the connection uses already (``ValueError``, 422); ``ReindexBusy``
+    while a deployment-wide one is active, ``RunInProgress`` while the connection's is (both a 409),
+    ``UnknownConnection`` (404)."""
 
     async def start(connection_id: str, spec: dict[str, Any] | None) -> None:
+        target = (await spaces.current()).embedder if spec is None else await spaces.resolve(spec)
+        pinned, effective = await store.connection_model(connection_id)
+        if effective == target.model_key and (pinned is not None) == (spec is not None):
+            raise ValueError(f"{target.model_key} is already the embedding model of connection {connection_id}")
         if any(run.connection_id is None for run in await runs.active_of_kind("reindex")):
             raise ReindexBusy("a deployment-wide re-index is queued or running")
         await runs.start(connection_id, "api", kind="reindex", params={"spec": spec})

@@ -315,6 +315,16 @@ class SpaceStore:
             await record_params(connection, run_id, {"source_key": current["effective"], "target_key": model_key})
             return _space(target), current["effective"]
 
+    async def connection_model(self, connection_id: str) -> tuple[str | None, str | None]:
+        """The model the connection is pinned to (None: it follows the default) and the one it uses."""
+        row = await self._pool.fetchrow(
+            f"SELECT k.embedding_model_key AS pinned, {_EFFECTIVE} AS effective FROM connections k WHERE k.id = $1",
+            connection_id,
+        )
+        if row is None:
+            raise UnknownConnection(connection_id)
+        return row["pinned"], row["effective"]
+
     async def count_chunks(self, connection_id: str | None = None) -> int:
         members, params = _members(connection_id, 1)
         return int(await self._pool.fetchval(f"SELECT count(*) FROM chunks c {members}", *params))
