@@ -47,7 +47,7 @@ def replay_router(runs: RunStore, runner: Runner, sources: Collection[str]) -> A
         response_model=ReplayResult,
         responses={
             404: {"description": "No such connection"},
-            409: {"description": "A replay of this scope is running"},
+            409: {"description": "A replay of this scope is running, or this one was cancelled"},
             422: {"description": "A source this mode cannot re-drive"},
         },
     )
@@ -60,9 +60,11 @@ def replay_router(runs: RunStore, runner: Runner, sources: Collection[str]) -> A
         run = await runs.start(request.connection_id, "api", kind="replay", params=params, running=True)
         outcome = await runner.execute(run)
         replayed = outcome.result
+        if outcome.error is not None:
+            raise outcome.error  # answered by the API's error mapping (a database outage: 503), never its text
         if not isinstance(replayed, ReplayProgress):
-            detail = outcome.run.error if outcome.run is not None else "the replay run was failed elsewhere"
-            raise HTTPException(status_code=500, detail=detail)
+            ended = outcome.run.status.value if outcome.run is not None else "failed elsewhere"
+            raise HTTPException(status_code=409, detail=f"replay run {run.id} did not complete: {ended}")
         return ReplayResult(
             run_id=run.id,
             replayed=replayed.replayed,

@@ -84,11 +84,13 @@ Job = Callable[[JobContext], Awaitable[object]]
 
 @dataclass(frozen=True, slots=True)
 class RunOutcome:
-    """How a run ended: its final row (None if it was failed as stale meanwhile) and the job's
-    result (None when the job did not complete)."""
+    """How a run ended: its final row (None if it was failed as stale meanwhile), the job's result
+    (None when the job did not complete) and, when the job failed, what it raised (for a caller that
+    answers in the request, such as a replay)."""
 
     run: Run | None
     result: object | None
+    error: Exception | None = None
 
 
 class RunExecution:
@@ -137,7 +139,7 @@ class RunExecution:
             raise
         except Exception as error:  # any failure ends the run failed, with its reason, never running
             logger.warning("%s run %s of %s failed", run.kind, run.id, run.connection_id, exc_info=True)
-            return RunOutcome(await self._finish(RunStatus.FAILED, failure_reason(error)), None)
+            return RunOutcome(await self._finish(RunStatus.FAILED, failure_reason(error)), None, error)
         return RunOutcome(await self._finish(RunStatus.SUCCEEDED, None), result)
 
     async def _finish(self, status: RunStatus, reason: str | None) -> Run | None:

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 
 from ragstream.embedding.base import EmbeddingError, Vectors
+from ragstream.outbound import OutboundRefused, UnresolvableHost
 from ragstream.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, retry_after
 
 __all__ = [
@@ -127,6 +128,10 @@ class ModelApiClient:
             return await self._http.retrying(lambda: self._post_once(path, payload), path)
         except VendorError as error:
             raise self.error(str(error), retryable=error.retryable) from None
+        except OutboundRefused as error:
+            # The endpoint is the operator's configuration, not the caller's input: a provider failure,
+            # retryable when the name did not resolve (DNS may answer later).
+            raise self.error(f"{path}: {error}", retryable=isinstance(error, UnresolvableHost)) from None
 
     async def _post_once(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         response = await self._http.send("POST", path, json=payload)
