@@ -29,8 +29,8 @@ from ragstream.core.errors import InvalidInput
 
 __all__ = [
     "OutboundRefused",
-    "UnresolvableHost",
     "OutboundSettings",
+    "UnresolvableHost",
     "check_scheme",
     "check_url",
     "client",

@@ -132,7 +132,7 @@ def runs_router(runs: RunStore) -> APIRouter:
 
     @router.get("", response_model=list[RunView])
     async def list_runs(
-        kind: Annotated[RunKind | None, Query(description="Only runs of this kind.")] = None,
+        kind: Annotated[str | None, Query(description="Only runs of this kind (sync, reindex, ...).")] = None,
         connection_id: Annotated[str | None, Query(description="Only runs of this connection.")] = None,
         limit: Annotated[int, Query(ge=1, le=100, description="Newest first.")] = 20,
     ) -> list[RunView]:

@@ -4,6 +4,7 @@ the mapping the runner is given (``run_kinds``) and named in ``RunKind`` for the
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterable, Callable
 
 from ragstream.chunking import parse_chunking
@@ -15,7 +16,7 @@ from ragstream.messages import DeadLetter
 from ragstream.rechunk import Rechunker, RechunkProgress
 from ragstream.reindex import Reindexer, ReindexProgress
 from ragstream.stages.fetch import ChangeSink
-from ragstream.stages.replay import ReplayService
+from ragstream.stages.replay import ReplayCounts, ReplayService
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.runs import RunStore
 
@@ -84,11 +85,12 @@ def pipeline_replay_kind(job: Callable[[], SyncJob]) -> Job:
     and wait until they have indexed or failed again."""
 
     async def replay(context: JobContext) -> ReplayProgress:
-        run = context.run
+        run, started = context.run, time.monotonic()
         if run.params.get("source", FAILURES) != FAILURES:
             raise ValueError("embedded mode has no dead-letter topic: replay failures")
         counts, settled = await job().replay(run.connection_id, context.publish)
         final = ReplayProgress(
+            started_at=started,
             replayed=counts.replayed,
             needs_sync=counts.needs_sync,
             resolved=counts.resolved,
@@ -108,14 +110,23 @@ def topic_replay_kind(
     ``doc.changed`` again through ``sink``; the stage services take it from there."""
 
     async def replay(context: JobContext) -> ReplayProgress:
-        run, service = context.run, ReplayService(store)
+        run, service, started = context.run, ReplayService(store), time.monotonic()
+
+        def progress(counts: ReplayCounts) -> ReplayProgress:
+            return ReplayProgress(
+                started_at=started, replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved
+            )
+
+        def replayed(counts: ReplayCounts) -> None:
+            context.publish(progress(counts))
+
         if run.params.get("source", FAILURES) == DEAD_LETTER:
             if letters is None:
                 raise ValueError("no dead-letter topic to read here: replay failures")
-            counts = await service.dead_letters(letters(), sink, run.connection_id)
+            counts = await service.dead_letters(letters(), sink, run.connection_id, replayed)
         else:
-            counts = await service.failures(sink, run.connection_id)
-        final = ReplayProgress(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
+            counts = await service.failures(sink, run.connection_id, replayed)
+        final = progress(counts)
         context.publish(final)
         return final
 

@@ -135,7 +135,8 @@ class RunExecution:
                     await writer
         except asyncio.CancelledError:
             with contextlib.suppress(*CONNECTION_ERRORS):  # the database is gone too: reap fails the run
-                await self._runs.finish(run.id, RunStatus.FAILED, PROCESS_STOPPED, self.context.document())
+                if await self._runs.finish(run.id, RunStatus.FAILED, PROCESS_STOPPED, self.context.document()):
+                    RUNS_FINISHED.labels(run.kind, RunStatus.FAILED.value).inc()
             raise
         except Exception as error:  # any failure ends the run failed, with its reason, never running
             logger.warning("%s run %s of %s failed", run.kind, run.id, run.connection_id, exc_info=True)
@@ -151,7 +152,8 @@ class RunExecution:
         while True:
             try:
                 finished = await self._runs.finish(run_id, status, reason, self.context.document())
-                RUNS_FINISHED.labels(self.context.run.kind, status.value).inc()
+                if finished is not None:  # None: ended elsewhere already (reaped as stale or ownerless)
+                    RUNS_FINISHED.labels(self.context.run.kind, status.value).inc()
                 return finished
             except CONNECTION_ERRORS as error:
                 if asyncio.get_running_loop().time() > deadline:
