@@ -127,6 +127,10 @@ async def test_crud_round_trip(client: httpx.AsyncClient, hooks: Hooks, corpus: 
         {"platform": "feishu", "name": "x", "schedule_seconds": -1},
         {"platform": "feishu", "name": "x", "credentials": {"token": 5}},
         {"platform": "feishu", "name": "x", "config": {"chunking": {"kind": "bogus"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "bogus"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "openai", "model": "m"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "local", "model": "bge-m3"}}},
+        {"platform": "feishu", "name": "x", "config": {"embedding": {"provider": "dashscope", "dimension": 0}}},
         {"platform": "feishu", "name": "x", "unknown": True},
     ],
 )
@@ -266,3 +270,34 @@ async def test_delete_removes_every_row_the_connection_indexed(
     assert (await client.delete(f"/v1/connections/{cid}")).status_code == 204
     assert await counts() == dict.fromkeys(where, 0)
     assert await search_ids(runtime, cid, "zephyrine otter") == []
+
+
+async def test_an_embedding_model_equal_to_the_stored_one_starts_no_reindex(
+    runtime: Runtime, store: ConnectionStore
+) -> None:
+    """A spec stored before the configs, with a field its provider ignores, is still the same model."""
+    changes: list[tuple[str, dict[str, Any] | None]] = []
+
+    async def on_embedding_changed(connection_id: str, spec: dict[str, Any] | None) -> None:
+        changes.append((connection_id, spec))
+
+    router = connections_router(store, on_embedding_changed=on_embedding_changed)
+    app = create_app(lambda: runtime.retriever, ready=ready, routers=[router])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        made = await client.post("/v1/connections", json={"platform": "web", "name": "site", "rag_enabled": False})
+        cid = made.json()["id"]
+        legacy = '{"provider": "local", "model": "left-over", "base_url": null}'
+        await runtime.pool.execute(
+            "UPDATE connections SET config = config || jsonb_build_object('embedding', $2::jsonb) WHERE id = $1",
+            cid,
+            legacy,
+        )
+
+        same = await client.patch(f"/v1/connections/{cid}", json={"config": {"embedding": {"provider": "local"}}})
+        assert same.status_code == 200, same.text
+        assert changes == []
+
+        onnx = {"provider": "onnx", "model": "bge-small-en-v1.5"}
+        other = await client.patch(f"/v1/connections/{cid}", json={"config": {"embedding": onnx}})
+        assert other.status_code == 200, other.text
+        assert changes == [(cid, onnx)]

@@ -254,6 +254,9 @@ async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
     fake_dashscope.delay_s = 0.5  # still running when the second POST comes
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         assert (await client.get("/v1/reindex")).status_code == 404
+        incomplete = await client.post("/v1/reindex", json={"provider": "openai", "model": "m"})
+        assert incomplete.status_code == 422 and "base_url" in incomplete.text
+        assert (await client.get("/v1/reindex")).status_code == 404  # refused before a run was recorded
         started = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
         assert started.status_code == 202, started.text
         assert started.json()["status"] == "running" and started.json()["source_key"] == LOCAL_KEY

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from ragstream import vendor_http
 from ragstream.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, redact, retry_after
@@ -72,6 +73,36 @@ async def test_the_retry_loop_gives_up_with_the_platform_error_and_no_secret() -
     assert str(failed.value) == "HTTP 503: upstream echoed *** (gave up after 3 attempts)"
     assert failed.value.retryable and failed.value.__cause__ is None
     assert redact("a sk-SECRET b", ["", "sk-SECRET"]) == "a *** b"
+
+
+@pytest.mark.usefixtures("private_networks")
+async def test_every_attempt_is_counted_by_vendor_and_outcome() -> None:
+    answers = iter([httpx.Response(503), httpx.Response(200, json={})])
+    vendor = f"metrics-{time.monotonic_ns()}"  # series of its own, whatever other tests counted
+    http = VendorHttp(
+        vendor,
+        "https://127.0.0.1",
+        retry=RetryPolicy(max_retries=2, backoff_initial_s=0.001, backoff_max_s=0.002),
+        transport=httpx.MockTransport(lambda request: next(answers)),
+    )
+
+    async def once() -> int:
+        response = await http.send("GET", "/thing")
+        if response.status_code >= 500:
+            raise Transient(VendorError(f"HTTP {response.status_code}", retryable=True))
+        return response.status_code
+
+    try:
+        assert await http.retrying(once, "/thing") == 200
+    finally:
+        await http.aclose()
+
+    def sample(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"vendor": vendor, **labels})
+
+    assert sample("ragstream_vendor_requests_total", outcome="5xx") == 1
+    assert sample("ragstream_vendor_requests_total", outcome="2xx") == 1
+    assert sample("ragstream_vendor_request_seconds_count") == 2
 
 
 def test_http_clients_are_built_only_by_the_factory() -> None:

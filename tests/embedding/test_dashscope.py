@@ -197,6 +197,19 @@ async def test_retries_are_logged_without_the_key(
     assert fake_dashscope.api_key not in caplog.text
 
 
+async def test_a_throttled_request_waits_what_the_service_asks(
+    fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_dashscope.throttle_next(1, retry_after="0.25")
+
+    with caplog.at_level(logging.WARNING):
+        vectors = await make_embedder().embed(["x"])
+
+    assert vectors.shape == (1, 1024) and fake_dashscope.requests == 2
+    # The service's wait, not the few milliseconds of FAST's backoff.
+    assert "retrying in 0.25s" in caplog.text
+
+
 async def test_persistent_throttling_gives_up_with_a_retryable_error(
     fake_dashscope: FakeDashScope, make_embedder: MakeEmbedder
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,19 @@ async def test_throttling_is_retried(fake_dashscope: FakeDashScope, make_reranke
 
     assert (await make_reranker(max_retries=1).rerank(QUERY, ["trades", "other"], top_n=1))[0][0] == 0
     assert fake_dashscope.requests == 2
+
+
+async def test_a_long_retry_after_is_cut_to_the_rerankers_budget(
+    fake_dashscope: FakeDashScope, make_reranker: MakeReranker, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_dashscope.throttle_next(1, retry_after="30")
+
+    with caplog.at_level(logging.WARNING):
+        ranked = await make_reranker(max_retries=1, backoff_max_s=0.02).rerank(QUERY, ["trades", "other"], top_n=1)
+
+    assert ranked[0][0] == 0 and fake_dashscope.requests == 2
+    # The search waits seconds for a reranker, so the service's 30 s become backoff_max_s.
+    assert "retrying in 0.02s" in caplog.text
 
 
 async def test_errors_never_show_the_key(fake_dashscope: FakeDashScope, make_reranker: MakeReranker) -> None:

@@ -104,6 +104,7 @@ class Fault:
     code: str = ""
     message: str = ""
     delay_s: float = 0.0
+    retry_after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -159,14 +160,16 @@ class FakeDashScope:
         status: int = 429,
         code: str = "Throttling.RateQuota",
         message: str = "Requests rate limit exceeded, please try again later.",
+        retry_after: str | None = None,
     ) -> None:
-        """Answer the next ``n`` API requests with this error (after auth)."""
+        """Answer the next ``n`` API requests with this error (after auth), with a ``Retry-After``
+        header when given (ASSUMPTION: the service's documentation does not say whether it sends one)."""
         with self._lock:
-            self.faults.extend(Fault(status, code, message) for _ in range(n))
+            self.faults.extend(Fault(status, code, message, retry_after=retry_after) for _ in range(n))
 
-    def throttle_next(self, n: int = 1, *, status: int = 429) -> None:
+    def throttle_next(self, n: int = 1, *, status: int = 429, retry_after: str | None = None) -> None:
         """``Throttling.RateQuota`` with 429, or with 400 as one client observed (§6.4)."""
-        self.fail_next(n, status=status, code="Throttling.RateQuota")
+        self.fail_next(n, status=status, code="Throttling.RateQuota", retry_after=retry_after)
 
     def server_error_next(self, n: int = 1) -> None:
         self.fail_next(n, status=500, code="InternalError", message="An internal error has occured.")
@@ -341,7 +344,10 @@ def create_app(fake: FakeDashScope) -> FastAPI:
             code = "invalid_api_key" if compatible else "InvalidApiKey"
             return body, error(401, code, f"Invalid API-key provided{shown}")
         if fault and fault.status is not None:
-            return body, error(fault.status, fault.code, fault.message)
+            failed = error(fault.status, fault.code, fault.message)
+            if fault.retry_after is not None:
+                failed.headers["Retry-After"] = fault.retry_after
+            return body, failed
         if not isinstance(body, dict):
             return body, error(400, "InvalidParameter", "Request body is not a JSON object.")
         if not body.get("model"):

@@ -14,9 +14,10 @@ from typing import Any
 
 import httpx
 
-from ragstream.embedding._http import RemoteEmbeddingClient, RetryPolicy
+from ragstream.embedding._http import ModelApiClient
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.openai_compatible import parse_openai_error
+from ragstream.vendor_http import RetryPolicy
 
 __all__ = ["CHAT_PATH", "DEFAULT_COMPATIBLE_BASE_URL", "ChatAnswer", "ChatClient", "ChatError"]
 
@@ -41,8 +42,9 @@ class ChatAnswer:
 
 
 class ChatClient:
-    """``POST {base_url}/chat/completions`` with the remote embedders' retries, pacing and key
-    redaction. Any server speaking that route (vLLM, Ollama) works with its own ``base_url``."""
+    """``POST {base_url}/chat/completions`` with the remote embedders' retries, concurrency cap and key
+    redaction (a platform's Retry-After honoured up to ``backoff_max_s``). Any server speaking that
+    route (vLLM, Ollama) works with its own ``base_url``."""
 
     def __init__(
         self,
@@ -61,7 +63,7 @@ class ChatClient:
         if not api_key:
             raise ValueError("api_key must not be empty")
         self.model = model
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=provider,
             base_url=base_url,
             headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
@@ -69,7 +71,7 @@ class ChatClient:
             parse_error=parse_openai_error,
             timeout_s=timeout_s,
             max_concurrency=max_concurrency,
-            retry=RetryPolicy(max_retries, backoff_initial_s, backoff_max_s),
+            retry=RetryPolicy(max_retries, backoff_initial_s, backoff_max_s, max_wait_s=backoff_max_s),
             transport=transport,
         )
 

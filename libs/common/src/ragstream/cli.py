@@ -28,11 +28,12 @@ from ragstream.credentials import CredentialCipher, CredentialKeyMissing, Creden
 from ragstream.jobs.progress import SyncProgress
 from ragstream.jobs.sync import SyncReport
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
+from ragstream.logs import configure_logging
 from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
 from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
-from ragstream.settings import EmbeddingProvider, Settings
+from ragstream.settings import EmbeddingProvider, LogSettings, Settings
 from ragstream.stages.replay import ReplayService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
@@ -43,6 +44,12 @@ app = typer.Typer(help="ragstream: sync knowledge into PostgreSQL + pgvector and
 console = Console(stderr=True)
 credentials = typer.Typer(help="Encrypted connection credentials.", no_args_is_help=True)
 app.add_typer(credentials, name="credentials")
+
+
+@app.callback()
+def _logging() -> None:
+    """Every command logs to stderr as ``RAGSTREAM_LOG_LEVEL`` and ``RAGSTREAM_LOG_FORMAT`` say."""
+    configure_logging(LogSettings())
 
 
 def _run(main: Callable[[Runtime], object]) -> object:

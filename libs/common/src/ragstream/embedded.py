@@ -101,6 +101,7 @@ async def serve(
             host=host,
             port=port,
             log_level="warning",
+            log_config=None,  # its records go through the handler of ragstream.logs, in its format
             timeout_keep_alive=_KEEP_ALIVE_S,
             timeout_graceful_shutdown=round(settings.shutdown_timeout_s),
         )

@@ -82,6 +82,9 @@ def create_broker(bootstrap_servers: str, service: str) -> KafkaBroker:
         acks="all",
         enable_idempotence=True,
         max_request_size=1024 * 1024,
+        # FastStream's own per-message lines ("Received", "Processed", a handler's error) go through the
+        # process's handler (ragstream.logs) with the topic and message id as fields, not to stdout apart.
+        logger=logging.getLogger("ragstream.kafka.messages"),
         middlewares=(
             ConsumerLagMiddleware,
             # A recording SDK provider, so every published message carries a W3C traceparent header

@@ -20,14 +20,14 @@ from aiokafka.errors import KafkaError
 from faststream import Context
 from faststream.asgi import AsgiFastStream, AsgiResponse, get, make_ping_asgi
 from faststream.kafka import KafkaBroker
-from prometheus_client import make_asgi_app
 from pydantic import BaseModel
 
 from ragstream.failures import classify, is_transient, record_failure, record_retry
 from ragstream.faults import crash_point
 from ragstream.kafka import consumer_options, create_broker, ensure_topics, publish
+from ragstream.logs import configure_logging, log_context
 from ragstream.messages import DeadLetter, DocumentHeader, Topic
-from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY
+from ragstream.metrics import MESSAGES_IN, STAGE_LATENCY, exposition
 from ragstream.poison import PoisonGuard
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
@@ -87,13 +87,16 @@ class ServiceContext:
         """One message of a stage: run it (retrying a transient failure with backoff, each retry
         counted on the document), publish its outputs (each acknowledged by Kafka) or record its
         failure and dead-letter it; the handler returns only then, so the offset is committed after
-        durable output."""
+        durable output. Everything logged meanwhile carries the document's and its connection's ids."""
         MESSAGES_IN.labels(self.name, consumed.value).inc()
 
         async def retrying(error: Exception) -> None:
             await record_retry(self.runtime.store, header, step, error)
 
-        with STAGE_LATENCY.labels(self.name).time():
+        with (
+            log_context(connection_id=header.connection_id, document_id=header.document_id),
+            STAGE_LATENCY.labels(self.name).time(),
+        ):
             try:
                 outputs = await self.runtime.stage_retry().run(produce, retrying, _retried_here)
             except Exception as error:
@@ -178,6 +181,7 @@ def create_service_app(
 ) -> AsgiFastStream:
     """Build the ASGI app of one service: ``uvicorn module:create_app --factory`` serves it."""
     config = settings or Settings()
+    configure_logging(config.logs)
     broker = create_broker(config.kafka_bootstrap_servers, name)
     broker.add_middleware(PoisonGuard)  # innermost: a message reaches a handler only once it decodes
     register(broker, consumer_options(config, name))
@@ -202,13 +206,19 @@ def create_service_app(
     async def readyz(scope: Any) -> AsgiResponse:
         return AsgiResponse(b"ready" if ready["value"] else b"starting", status_code=200 if ready["value"] else 503)
 
+    @get
+    async def metrics(scope: Any) -> AsgiResponse:
+        accept = dict(scope.get("headers", ())).get(b"accept", b"").decode("latin-1")
+        body, content_type = exposition(accept)
+        return AsgiResponse(body, headers={"content-type": content_type})
+
     return AsgiFastStream(
         broker,
         lifespan=lifespan,
         asgi_routes=[
             ("/healthz", make_ping_asgi(broker, timeout=5.0)),
             ("/readyz", readyz),
-            ("/metrics", make_asgi_app()),
+            ("/metrics", metrics),
             *routes,
         ],
     )

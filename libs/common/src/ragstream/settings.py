@@ -23,10 +23,13 @@ __all__ = [
     "EmbeddingProvider",
     "EmbeddingSettings",
     "FolderSettings",
+    "HttpUrlText",
+    "LogSettings",
     "Role",
     "SearchLimitsSettings",
     "Settings",
     "StageRetrySettings",
+    "VendorUrl",
 ]
 
 
@@ -105,14 +108,15 @@ class ApiKeys:
         )
 
 
-def _http_url(url: str | None) -> str | None:
+def _http_url(url: str) -> str:
     # The scheme at start-up; the address is checked on every request (ragstream.outbound).
-    if url is not None:
-        check_scheme(url)
+    check_scheme(url)
     return url
 
 
-VendorUrl = Annotated[str | None, AfterValidator(_http_url)]
+HttpUrlText = Annotated[str, AfterValidator(_http_url)]
+"""An http(s) URL with a host, kept as the text given."""
+VendorUrl = HttpUrlText | None
 
 
 class FolderSettings(BaseSettings):
@@ -158,6 +162,30 @@ class StageRetrySettings(BaseSettings):
         float, Field(title="First wait between attempts", description="Doubles on each retry, with jitter.", ge=0)
     ] = 1.0
     backoff_max_s: Annotated[float, Field(title="Longest wait between attempts", ge=0)] = 30.0
+
+
+class LogSettings(BaseSettings):
+    """How a process logs (see :mod:`ragstream.logs`): from which level, and as text or JSON lines."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGSTREAM_LOG_")
+
+    level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        Field(title="Lowest level logged", description="Any case: info and INFO are the same."),
+    ] = "INFO"
+    format: Annotated[
+        Literal["text", "json"],
+        Field(
+            title="Log line format",
+            description="text: for people; json: one object per line with time, level, logger, message, "
+            "exception and the connection, document and run ids of the work at hand.",
+        ),
+    ] = "text"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
 
 class SearchLimitsSettings(BaseSettings):
@@ -455,6 +483,7 @@ class Settings(BaseSettings):
         ),
     ] = 10.0
     search_limits: SearchLimitsSettings = Field(default_factory=SearchLimitsSettings)
+    logs: LogSettings = Field(default_factory=LogSettings)
     chunking: ChunkingSettings = Field(default_factory=ChunkingSettings)
     stage_retry: StageRetrySettings = Field(default_factory=StageRetrySettings)
     embedding: EmbeddingSettings = Field(default_factory=EmbeddingSettings)

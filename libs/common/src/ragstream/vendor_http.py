@@ -5,7 +5,8 @@ A platform module knows its wire format (paths, envelope, which codes mean "thro
 
 - ``build_client`` is the only place an ``httpx.AsyncClient`` is made (connectors, embedders and the
   reranker alike), so an outbound guard (a transport) applies to every vendor by being set here.
-- ``PacingWindow``: at most N calls in any window, per API group, with a margin for latency jitter.
+- ``PacingWindow``: at most N calls in any window, per API group, with a margin for latency jitter;
+  ``max_in_flight`` caps the requests under way at once (a model API's concurrency quota).
 - ``VendorHttp.retrying``: ``Transient`` failures (throttled, 5xx, timeouts, dropped connections) are
   retried with jittered exponential backoff, or after the platform's own wait (``Retry-After`` or a
   vendor reset header, see ``retry_after``) when it gave one; other failures are raised at once.
@@ -28,6 +29,7 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from ragstream import outbound
+from ragstream.metrics import VENDOR_REQUEST_SECONDS, VENDOR_REQUESTS
 
 __all__ = [
     "PacingWindow",
@@ -97,6 +99,12 @@ class RetryPolicy:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     max_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError("max_retries must not be negative")
+        if min(self.backoff_initial_s, self.backoff_max_s, self.max_wait_s) < 0:
+            raise ValueError("backoff and wait times must not be negative")
 
 
 class PacingWindow:
@@ -190,7 +198,8 @@ class VendorHttp:
     """One platform's HTTP pool, opened on first use and closed by ``aclose``, with pacing per API
     group and the retry loop. ``secrets`` is asked for the values to redact at each message, so
     tokens issued later are covered too; ``error_type`` is the platform's ``VendorError`` subclass
-    that network failures are raised as."""
+    that network failures are raised as. ``max_in_flight`` caps the requests under way at once, and
+    the pool with them; a slot is held per attempt, so a call sleeping in backoff holds none."""
 
     def __init__(
         self,
@@ -204,7 +213,12 @@ class VendorHttp:
         transport: httpx.AsyncBaseTransport | None = None,
         secrets: Callable[[], Iterable[str]] = tuple,
         error_type: type[VendorError] = VendorError,
+        max_in_flight: int | None = None,
     ) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.vendor = vendor
         self.error_type = error_type
         self.base_url = base_url.rstrip("/")
@@ -214,12 +228,20 @@ class VendorHttp:
         self._windows = {group: PacingWindow(limit) for group, limit in (limits or {}).items()}
         self._transport = transport
         self._secrets = secrets
+        self._max_in_flight = max_in_flight
+        self._in_flight = asyncio.Semaphore(max_in_flight) if max_in_flight is not None else None
         self._client: httpx.AsyncClient | None = None
 
     def client(self) -> httpx.AsyncClient:
+        # Built on first use rather than in __init__, so that building a connector or an embedder (config
+        # loading, CLI help) never opens a pool that nobody closes.
         if self._client is None:
             self._client = build_client(
-                base_url=self.base_url, timeout_s=self.timeout_s, headers=self._headers, transport=self._transport
+                base_url=self.base_url,
+                timeout_s=self.timeout_s,
+                headers=self._headers,
+                max_connections=self._max_in_flight,
+                transport=self._transport,
             )
         return self._client
 
@@ -238,15 +260,30 @@ class VendorHttp:
             await window.acquire()
 
     async def send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request; a timeout or a dropped connection becomes a retryable ``Transient``."""
+        """One request, in one of the ``max_in_flight`` slots; a timeout or a dropped connection becomes
+        a retryable ``Transient``."""
+        if self._in_flight is None:
+            return await self._send(method, path, **kwargs)
+        async with self._in_flight:
+            return await self._send(method, path, **kwargs)
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        outcome, started = "error", time.perf_counter()
         try:
-            return await self.client().request(method, path, **kwargs)
+            response = await self.client().request(method, path, **kwargs)
+            outcome = f"{response.status_code // 100}xx"
+            return response
         except httpx.TimeoutException as error:
+            outcome = "timeout"
             message = f"{path}: timed out after {self.timeout_s}s ({type(error).__name__})"
             raise Transient(self.error_type(message, retryable=True)) from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as error:
+            outcome = "network"
             failed = f"{path}: connection failed ({type(error).__name__})"
             raise Transient(self.error_type(failed, retryable=True)) from None
+        finally:
+            VENDOR_REQUEST_SECONDS.labels(self.vendor).observe(time.perf_counter() - started)
+            VENDOR_REQUESTS.labels(self.vendor, outcome).inc()
 
     async def retrying(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         """``call`` until it returns, raises a non-transient error, or the attempts run out; then the

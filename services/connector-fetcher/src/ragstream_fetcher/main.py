@@ -35,6 +35,7 @@ from ragstream.credentials import CredentialCipher
 from ragstream.jobs.sync import SyncJob
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
 from ragstream.knowledge.control_plane import writing_knowledge
+from ragstream.logs import configure_logging
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
 from ragstream.stages.replay import ReplayService
@@ -58,6 +59,7 @@ class FetcherSettings(BaseSettings):
 def create_app() -> FastAPI:
     """Refuses to build without ``RAGSTREAM_API_KEYS`` unless ``RAGSTREAM_AUTH=none``."""
     settings = Settings()
+    configure_logging(settings.logs)
     access = Access.for_service(settings, "connector-fetcher")
     fetcher = FetcherSettings()
     broker = create_broker(settings.kafka_bootstrap_servers, "connector-fetcher")

@@ -15,6 +15,7 @@ from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app
 from ragstream.api.knowledge import knowledge_router
 from ragstream.knowledge.service import KnowledgeService
+from ragstream.logs import configure_logging
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime, open_runtime
@@ -30,6 +31,7 @@ __all__ = ["create_app"]
 def create_app() -> FastAPI:
     """Refuses to build without ``RAGSTREAM_API_KEYS`` unless ``RAGSTREAM_AUTH=none``."""
     settings = Settings()
+    configure_logging(settings.logs)
     tracer_provider("retriever")  # HTTP spans, exported over OTLP when an endpoint is set
     access = Access.for_service(settings, "retriever")
     state: dict[str, Runtime] = {}

@@ -1,14 +1,18 @@
-"""Admission control of searches: one limiter shared by the HTTP and gRPC APIs of a process."""
+"""Admission control of searches: one limiter shared by the HTTP and gRPC APIs of a process, and
+the count of their outcomes."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Literal
 
+from ragstream.metrics import ADMISSION_REJECTIONS, SEARCH_REQUESTS
 from ragstream.settings import Settings
+from ragstream.storage.database import DatabaseBusy
 
-__all__ = ["Overloaded", "SearchAdmission"]
+__all__ = ["Overloaded", "SearchAdmission", "counted_search"]
 
 
 class Overloaded(Exception):
@@ -59,12 +63,14 @@ class SearchAdmission:
         :class:`Overloaded`."""
         if self._turns.locked():
             if self._waiting >= self.max_waiting:
+                ADMISSION_REJECTIONS.labels("queue_full").inc()
                 raise Overloaded(f"{self._waiting} searches are waiting already", self.retry_after_s)
             self._waiting += 1
             try:
                 async with asyncio.timeout(self.wait_timeout_s):
                     await self._turns.acquire()
             except TimeoutError:
+                ADMISSION_REJECTIONS.labels("wait_timeout").inc()
                 raise Overloaded(f"no turn within {self.wait_timeout_s} s", self.retry_after_s) from None
             finally:
                 self._waiting -= 1
@@ -74,3 +80,27 @@ class SearchAdmission:
             yield
         finally:
             self._turns.release()
+
+
+def _outcome(error: BaseException) -> str:
+    if isinstance(error, Overloaded):
+        return "overloaded"
+    if isinstance(error, DatabaseBusy):  # before TimeoutError, which it is
+        return "db_busy"
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled"
+    return "error"
+
+
+@contextmanager
+def counted_search(api: Literal["http", "grpc"]) -> Iterator[None]:
+    """Count the search call run in the block in ``ragstream_search_requests_total``, by ``api`` and
+    by how it ended: ``ok``, or the error it raised (which goes on)."""
+    try:
+        yield
+    except BaseException as error:
+        SEARCH_REQUESTS.labels(api, _outcome(error)).inc()
+        raise
+    SEARCH_REQUESTS.labels(api, "ok").inc()

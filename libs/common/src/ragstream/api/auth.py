@@ -42,12 +42,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Probes and metrics (a mounted metrics app answers on /metrics/), and the API's description (the code
+# Probes, metrics and the API's description (the code
 # is public, so its shape is no secret; the Swagger UI could not send a key for it anyway). Exact
 # paths: /docs/x is not open.
-OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/metrics", "/metrics/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
-)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
 
 _ROLE_ATTRIBUTE = "__ragstream_role__"
 _FORBIDDEN = "this API key may not call this route"

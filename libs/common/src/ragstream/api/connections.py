@@ -20,10 +20,11 @@ from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import INDEXABLE_PLATFORMS
 from ragstream.credentials import CredentialKeyMissing
+from ragstream.embedding.config import EmbedderConfig, stored_embedder
 from ragstream.metrics import CONNECTION_CHANGES
 from ragstream.rechunk import RechunkBusy
 from ragstream.reindex import ReindexBusy, UnknownConnection
-from ragstream.settings import EmbeddingProvider, FolderSettings
+from ragstream.settings import FolderSettings
 from ragstream.storable import Storable
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
@@ -33,7 +34,6 @@ __all__ = [
     "ConnectionHook",
     "ConnectionPatch",
     "ConnectionView",
-    "EmbeddingChoice",
     "EmbeddingHook",
     "EmbeddingResolver",
     "RechunkHook",
@@ -77,25 +77,6 @@ def _rag_refusal(platform: str) -> str | None:
     return f"platform {platform} has no connector in this build to index it; create it with rag_enabled false"
 
 
-class EmbeddingChoice(BaseModel):
-    """The embedding model of this connection's index, when it is not the server's default."""
-
-    model_config = ConfigDict(extra="forbid", title="Embedding choice")
-
-    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")]
-    model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
-    dimension: Annotated[int | None, Field(title="Vector dimension", gt=0)] = None
-    base_url: Annotated[str | None, Field(title="Endpoint base URL", description="Provider default when unset.")] = None
-
-    def spec(self) -> dict[str, Any]:
-        """What builds the embedder, unset fields included: they mean the provider's defaults."""
-        return self.model_dump()
-
-    def shown(self) -> dict[str, Any]:
-        """The fields given, as ``config.embedding`` stores and shows them."""
-        return self.model_dump(exclude_none=True)
-
-
 class ConnectionConfig(BaseModel):
     """Platform settings. Keys besides these (space or knowledge-base ids, base URLs) are kept as given;
     secrets belong in ``credentials``, which are encrypted, not here, where they would be shown."""
@@ -119,7 +100,7 @@ class ConnectionConfig(BaseModel):
         ),
     ] = None
     embedding: Annotated[
-        EmbeddingChoice | None,
+        EmbedderConfig | None,
         Field(
             title="Embedding model",
             description="Unset: the server's default (a deployment-wide re-index moves it). Set: this connection's "
@@ -278,7 +259,7 @@ def connections_router(
     async def check_destinations(config: ConnectionConfig) -> None:
         urls = {key: config.stored().get(key) for key in _DESTINATION_KEYS}
         if config.embedding is not None:
-            urls["embedding.base_url"] = config.embedding.base_url
+            urls["embedding.base_url"] = config.embedding.spec().get("base_url")
         for key, url in urls.items():
             if url is None:
                 continue
@@ -311,6 +292,16 @@ def connections_router(
         except ValidationError:  # unreadable: any valid config given is a change
             return None
 
+    def same_embedding(connection: Connection, given: EmbedderConfig | None) -> bool:
+        """Whether ``given`` is the connection's model as stored; an unreadable stored one never is."""
+        stored = connection.config.get("embedding")
+        if stored is None or given is None:
+            return stored is None and given is None
+        try:
+            return isinstance(stored, dict) and stored_embedder(stored) == given
+        except ValueError:
+            return False
+
     def not_found(connection_id: str) -> HTTPException:
         return HTTPException(status_code=404, detail=f"connection {connection_id!r} not found")
 
@@ -327,8 +318,7 @@ def connections_router(
     async def change_embedding(connection_id: str, current: Connection, config: ConnectionConfig) -> None:
         """Start the re-index when the embedding model given differs from the connection's."""
         assert on_embedding_changed is not None
-        wanted = config.embedding.shown() if config.embedding is not None else None
-        if current.config.get("embedding") == wanted:
+        if same_embedding(current, config.embedding):
             return
         try:
             await on_embedding_changed(connection_id, config.embedding.spec() if config.embedding else None)

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from typing_extensions import override
 
-from ragstream.api.admission import Overloaded, SearchAdmission
+from ragstream.api.admission import Overloaded, SearchAdmission, counted_search
 from ragstream.api.auth import Access, Caller
 from ragstream.api.knowledge import parse_knowledge_request
 from ragstream.knowledge.models import ErrorCode, KnowledgeError, KnowledgeResponse
@@ -297,10 +297,11 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         responses: list[SearchResponse] = []
         try:
             # A batch takes one turn: its searches run one after the other.
-            async with deadline, admission.admit() if admission is not None else contextlib.nullcontext():
-                for request in requests:
-                    with SEARCH_LATENCY.time():
-                        responses.append(await retriever.search(request))
+            with counted_search("grpc"):
+                async with deadline, admission.admit() if admission is not None else contextlib.nullcontext():
+                    for request in requests:
+                        with SEARCH_LATENCY.time():
+                            responses.append(await retriever.search(request))
         except Exception as error:
             if isinstance(error, TimeoutError) and deadline.expired():
                 failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the search finished")

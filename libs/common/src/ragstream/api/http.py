@@ -11,12 +11,11 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ragstream.api.admission import Overloaded, SearchAdmission
+from ragstream.api.admission import Overloaded, SearchAdmission, counted_search
 from ragstream.api.auth import Access, check_principal, protect, search_route
 from ragstream.api.documents import documents_router
-from ragstream.metrics import SEARCH_LATENCY
+from ragstream.metrics import SEARCH_LATENCY, exposition
 from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
@@ -92,8 +91,9 @@ def create_app(
         return status
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        body, content_type = exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     if reader is not None:
         app.include_router(documents_router(reader))
@@ -113,8 +113,9 @@ def _search_router(
         current = retriever()
         if current is None:
             raise HTTPException(status_code=503, detail="the index is still starting")
-        async with admission.admit() if admission is not None else contextlib.nullcontext():
-            with SEARCH_LATENCY.time():
-                return await current.search(request)
+        with counted_search("http"):
+            async with admission.admit() if admission is not None else contextlib.nullcontext():
+                with SEARCH_LATENCY.time():
+                    return await current.search(request)
 
     return router

@@ -10,20 +10,15 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Response, status
 from pydantic import BaseModel, Field
 
+from ragstream.embedding.config import EmbedderConfig
 from ragstream.reindex import ReindexBusy, Reindexer
-from ragstream.settings import EmbeddingProvider
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["ReindexRequest", "ReindexStatus", "reindex_router"]
 
 
-class ReindexRequest(BaseModel):
-    """The target embedder, as ``RAGSTREAM_EMBEDDER_*`` would configure it; the key is the process's own."""
-
-    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")]
-    model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
-    dimension: Annotated[int | None, Field(title="Vector dimension", ge=1, description="Provider default.")] = None
-    base_url: Annotated[str | None, Field(title="Endpoint base URL")] = None
+ReindexRequest = EmbedderConfig
+"""The target embedder, as ``RAGSTREAM_EMBEDDER_*`` would configure it; the key is the process's own."""
 
 
 class ReindexStatus(BaseModel):

@@ -1,49 +1,38 @@
-"""HTTP machinery shared by the remote embedders: batching, a concurrency cap, retries, vector checks.
+"""The model APIs' side of vendor HTTP: error bodies, which failures are worth another attempt, batching
+and vector checks, over ``ragstream.vendor_http`` (the one client connectors use too).
 
 Each provider module only knows its wire format (request body, where the vectors and the error code
-sit); everything about *how* requests are sent — how many at once, which failures are worth another
-attempt, how long to back off, and how to turn the answer into unit vectors — lives here once.
+sit); how requests are sent (how many at once, the retry loop with the platform's ``Retry-After``,
+timeouts, redaction) is ``VendorHttp``'s, and turning an answer into unit vectors lives here once.
+The embedders, the reranker and the chat client each send through a ``ModelApiClient``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
 
 from ragstream.embedding.base import EmbeddingError, Vectors
-from ragstream.vendor_http import build_client
+from ragstream.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, retry_after
 
 __all__ = [
     "PERMANENT_CODES",
     "THROTTLING_CODES",
     "ErrorInfo",
     "ErrorParser",
-    "RemoteEmbeddingClient",
-    "RetryPolicy",
-    "TransientError",
+    "ModelApiClient",
     "assemble_vectors",
     "decode_json",
     "embed_in_batches",
     "is_retryable",
-    "redact",
     "split_batches",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: Codes that mean "slow down", not "this request is wrong". DashScope sends ``Throttling.RateQuota``
 #: with HTTP 429 *and* with HTTP 400 (docs/platform-apis.md §6.4), so the decision keys on the code first.
@@ -56,8 +45,6 @@ THROTTLING_CODES = frozenset(
 PERMANENT_CODES = frozenset({"insufficient_quota", "Arrearage"})
 
 _RETRYABLE_STATUSES = frozenset({408, 425, 429})
-
-_REDACTED = "***"
 
 
 @dataclass(frozen=True)
@@ -78,14 +65,6 @@ class ErrorInfo:
 ErrorParser = Callable[[httpx.Response], ErrorInfo]
 
 
-class TransientError(Exception):
-    """A failure worth another attempt (throttling, 5xx, timeout, dropped connection).
-
-    Internal to the retry loop: once the attempts run out it becomes an
-    ``EmbeddingError(retryable=True)`` so callers only ever see the public error type.
-    """
-
-
 def is_retryable(info: ErrorInfo) -> bool:
     """Decide on the code before the status: a throttling code is retried even under HTTP 400."""
     if info.code in PERMANENT_CODES:
@@ -95,53 +74,10 @@ def is_retryable(info: ErrorInfo) -> bool:
     return info.status in _RETRYABLE_STATUSES or info.status >= 500
 
 
-def redact(text: str, secrets: Iterable[str]) -> str:
-    """Blank out secrets that a server echoed back ("Incorrect API key provided: sk-…")."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, _REDACTED)
-    return text
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently to retry one request.
-
-    ``max_retries`` counts retries after the first attempt. The wait doubles from
-    ``backoff_initial_s`` up to ``backoff_max_s`` with up to ``backoff_initial_s`` of random jitter,
-    so many workers throttled at the same moment do not come back in lockstep.
-    """
-
-    max_retries: int = 5
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max_retries < 0:
-            raise ValueError("max_retries must not be negative")
-        if self.backoff_initial_s < 0 or self.backoff_max_s < 0:
-            raise ValueError("backoff times must not be negative")
-
-    def retrying(self, before_sleep: Callable[[RetryCallState], None]) -> AsyncRetrying:
-        return AsyncRetrying(
-            stop=stop_after_attempt(self.max_retries + 1),
-            wait=wait_exponential_jitter(
-                multiplier=self.backoff_initial_s,
-                max=self.backoff_max_s,
-                jitter=self.backoff_initial_s,
-            ),
-            retry=retry_if_exception_type(TransientError),
-            before_sleep=before_sleep,
-            reraise=True,
-        )
-
-
-class RemoteEmbeddingClient:
-    """One provider connection: a lazily built ``httpx.AsyncClient``, a semaphore, a retry policy.
-
-    The semaphore caps requests *in flight* across every concurrent ``embed`` call on the same
-    embedder, and is taken per attempt: a request sleeping in backoff holds no slot, so it does not
-    stop healthy batches from using the connection.
+class ModelApiClient:
+    """One model API connection: JSON posts through a ``VendorHttp`` (pool opened on first use, at most
+    ``max_concurrency`` requests in flight across every concurrent call, the retry loop), with the
+    provider's error body read into an ``EmbeddingError`` that never carries a secret.
     """
 
     def __init__(
@@ -157,37 +93,22 @@ class RemoteEmbeddingClient:
         retry: RetryPolicy,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be at least 1")
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
         self.provider = provider
-        self._base_url = base_url.rstrip("/")
-        self._headers = headers
-        self._secrets = tuple(s for s in secrets if s)
         self._parse_error = parse_error
-        self._timeout_s = timeout_s
-        self._max_concurrency = max_concurrency
-        self._retry = retry
-        self._transport = transport
-        self._semaphore = asyncio.Semaphore(max_concurrency)
-        self._client: httpx.AsyncClient | None = None
-
-    def _http(self) -> httpx.AsyncClient:
-        # Built on first use rather than in __init__ so constructing an embedder (config loading,
-        # CLI help) never opens a connection pool that nobody closes.
-        if self._client is None:
-            self._client = build_client(
-                base_url=self._base_url,
-                timeout_s=self._timeout_s,
-                headers=self._headers,
-                max_connections=self._max_concurrency,
-                transport=self._transport,
-            )
-        return self._client
+        known = tuple(secret for secret in secrets if secret)
+        self._http = VendorHttp(
+            provider,
+            base_url,
+            timeout_s=timeout_s,
+            headers=headers,
+            retry=retry,
+            transport=transport,
+            secrets=lambda: known,
+            max_in_flight=max_concurrency,
+        )
 
     def redact(self, text: str) -> str:
-        return redact(text, self._secrets)
+        return self._http.redact(text)
 
     def error(self, message: str, *, retryable: bool) -> EmbeddingError:
         """Build the public error, prefixed with the provider and never carrying a secret."""
@@ -205,31 +126,22 @@ class RemoteEmbeddingClient:
     async def post_json(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST ``payload`` with retries; return the decoded JSON object of a 2xx answer."""
         try:
-            async for attempt in self._retry.retrying(self._log_retry):
-                with attempt:
-                    return await self._post_once(path, payload)
-        except TransientError as exc:
-            attempts = self._retry.max_retries + 1
-            raise self.error(f"gave up after {attempts} attempt(s): {exc}", retryable=True) from None
-        raise AssertionError("unreachable: tenacity either returns or re-raises")
+            return await self._http.retrying(lambda: self._post_once(path, payload), path)
+        except VendorError as error:
+            raise self.error(str(error), retryable=error.retryable) from None
 
     async def _post_once(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        async with self._semaphore:
-            try:
-                response = await self._http().post(path, json=payload)
-            except httpx.TimeoutException as exc:
-                raise TransientError(f"timed out after {self._timeout_s}s ({type(exc).__name__})") from None
-            except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-                raise TransientError(f"connection failed ({type(exc).__name__}: {exc})") from None
+        response = await self._http.send("POST", path, json=payload)
         if response.is_success:
             return self._decode(response)
         info = self._parse_error(response)
         info = ErrorInfo(info.status, info.code, self.redact(info.message), info.request_id)
-        if is_retryable(info):
-            raise TransientError(info.describe())
+        error = VendorError(info.describe(), status=info.status, code=info.code, retryable=is_retryable(info))
+        if error.retryable:
+            raise Transient(error, retry_after(response))
         # ``from None``: the httpx response/request objects carry the Authorization header and
         # have no business in a traceback that ends up in the failed-items table.
-        raise self.error(info.describe(), retryable=False) from None
+        raise error from None
 
     def _decode(self, response: httpx.Response) -> dict[str, Any]:
         body = decode_json(response)
@@ -237,21 +149,8 @@ class RemoteEmbeddingClient:
             raise self.error(f"HTTP {response.status_code} answer is not a JSON object", retryable=False) from None
         return body
 
-    def _log_retry(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        delay = state.next_action.sleep if state.next_action else 0.0
-        logger.warning(
-            "%s: attempt %d failed (%s); retrying in %.2fs",
-            self.provider,
-            state.attempt_number,
-            self.redact(str(exc)),
-            delay,
-        )
-
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self._http.aclose()
 
 
 def decode_json(response: httpx.Response) -> object:

@@ -14,13 +14,13 @@ import httpx
 
 from ragstream.embedding._http import (
     ErrorInfo,
-    RemoteEmbeddingClient,
-    RetryPolicy,
+    ModelApiClient,
     assemble_vectors,
     embed_in_batches,
 )
 from ragstream.embedding.base import TextKind, Vectors
 from ragstream.embedding.coalescing import BatchLimits
+from ragstream.vendor_http import RetryPolicy
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -73,9 +73,10 @@ class DashScopeEmbedder:
     """Embeds through DashScope in batches of at most 10 texts, a few requests at a time.
 
     Throttling (429, or a ``Throttling*`` code under any status), 408, 5xx, timeouts and dropped
-    connections are retried with jittered exponential backoff; anything else (bad key, bad
-    parameter, content inspection) fails at once because waiting cannot fix it. ``backoff_*`` exist
-    so tests and latency-sensitive callers can shrink the waits.
+    connections are retried with jittered exponential backoff, or after the ``Retry-After`` the
+    service sent (up to a minute); anything else (bad key, bad parameter, content inspection) fails
+    at once because waiting cannot fix it. ``backoff_*`` exist so tests and latency-sensitive
+    callers can shrink the waits.
     """
 
     def __init__(
@@ -104,7 +105,7 @@ class DashScopeEmbedder:
         self._batch_size = batch_size
         # Requests filled to the batch limit across documents, as many at once as the client allows.
         self.batch_limits = BatchLimits(batch_size=batch_size, max_in_flight=max_concurrency)
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=_PROVIDER,
             base_url=base_url,
             headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},

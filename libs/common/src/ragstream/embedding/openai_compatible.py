@@ -15,13 +15,13 @@ import httpx
 
 from ragstream.embedding._http import (
     ErrorInfo,
-    RemoteEmbeddingClient,
-    RetryPolicy,
+    ModelApiClient,
     assemble_vectors,
     embed_in_batches,
 )
 from ragstream.embedding.base import TextKind, Vectors
 from ragstream.embedding.coalescing import BatchLimits
+from ragstream.vendor_http import RetryPolicy
 
 __all__ = ["OpenAICompatibleEmbedder", "parse_openai_error"]
 
@@ -105,7 +105,7 @@ class OpenAICompatibleEmbedder:
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        self._http = RemoteEmbeddingClient(
+        self._http = ModelApiClient(
             provider=_PROVIDER,
             base_url=base_url,
             headers=headers,

@@ -7,19 +7,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ragstream.embedding import create_embedder
 from ragstream.embedding.base import Embedder
+from ragstream.embedding.config import ProcessResources, embedder_config, stored_embedder
 from ragstream.settings import EmbeddingSettings
 from ragstream.storage.spaces import SpaceStore
 
 __all__ = ["ActiveSpace", "Space", "embedding_spec"]
 
-_SPEC_FIELDS = {"provider", "model", "dimension", "base_url"}
-
 
 def embedding_spec(settings: EmbeddingSettings) -> dict[str, Any]:
     """What builds the same embedder in another process; never the API key, which stays in settings."""
-    return settings.model_dump(include=_SPEC_FIELDS)
+    return embedder_config(settings).spec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +85,17 @@ class ActiveSpace:
         """The embedder of ``model_key``, built from its stored ``spec`` the first time."""
         embedder = self._embedders.get(model_key)
         if embedder is None:
-            embedder = self.build(spec or {})
+            # A space recorded before specs were stored is taken to be of the configured model.
+            embedder = self.build(spec or embedding_spec(self._settings))
             if embedder.model_key != model_key:
                 raise RuntimeError(f"the spec of {model_key} builds {embedder.model_key}")
             self.adopt(embedder)
         return embedder
 
     def build(self, spec: dict[str, Any]) -> Embedder:
-        """An embedder for ``spec`` (provider, model, dimension, base_url) with this process's key."""
-        unknown = set(spec) - _SPEC_FIELDS
-        if unknown:
-            raise ValueError(f"unknown embedder spec fields: {sorted(unknown)}")
-        return create_embedder(self._settings.model_copy(update=spec))
+        """An embedder for ``spec`` (an ``EmbedderConfig``'s fields) with this process's key and threads;
+        a ``ValueError`` says what is wrong with it."""
+        return stored_embedder(spec).create(ProcessResources.from_settings(self._settings))
 
     async def resolve(self, spec: dict[str, Any]) -> Embedder:
         """The embedder ``spec`` names: the one this process has for its model already, else built

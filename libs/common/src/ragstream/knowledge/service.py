@@ -47,6 +47,7 @@ from ragstream.knowledge.platforms import (
     supports,
 )
 from ragstream.knowledge.registry import operations_for
+from ragstream.logs import log_context
 from ragstream.retrieval.budget import truncate_text
 from ragstream.retrieval.direct import DIRECT_RETRY
 from ragstream.retrieval.models import Principal, SearchFilters, SearchRequest, SearchResponse
@@ -121,6 +122,11 @@ class KnowledgeService:
         self._retry = retry
 
     async def handle(self, request: KnowledgeAction) -> KnowledgeResponse:
+        """Answer one action, logged with the connection id it names (if any)."""
+        with log_context(connection_id=request.connection_id):
+            return await self._answer(request)
+
+    async def _answer(self, request: KnowledgeAction) -> KnowledgeResponse:
         answer = KnowledgeResponse(action=request.action)
         if request.platform is not None and request.platform not in OPERATIONS:
             known = ", ".join(sorted(OPERATIONS))

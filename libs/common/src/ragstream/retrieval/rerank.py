@@ -14,9 +14,10 @@ from typing import Protocol
 
 import httpx
 
-from ragstream.embedding._http import RemoteEmbeddingClient, RetryPolicy
+from ragstream.embedding._http import ModelApiClient
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL, parse_native_error
+from ragstream.vendor_http import RetryPolicy
 
 __all__ = [
     "MAX_DOCUMENTS",
@@ -89,9 +90,10 @@ class DashScopeReranker:
             raise ValueError(f"max_request_chars must be at least {2 * MAX_ITEM_CHARS}")
         self._model = model
         self._max_request_chars = max_request_chars
-        # The embedders' client is reused for its retries, pacing and key redaction; its errors
-        # are EmbeddingError and become RerankError at this module's edge.
-        self._http = RemoteEmbeddingClient(
+        # The embedders' client is reused for its retries, concurrency cap and key redaction; its
+        # errors are EmbeddingError and become RerankError at this module's edge. A platform's
+        # Retry-After is honoured only up to ``backoff_max_s``: the retriever waits seconds, not minutes.
+        self._http = ModelApiClient(
             provider=_PROVIDER,
             base_url=base_url,
             headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
@@ -99,7 +101,7 @@ class DashScopeReranker:
             parse_error=parse_native_error,
             timeout_s=timeout_s,
             max_concurrency=max_concurrency,
-            retry=RetryPolicy(max_retries, backoff_initial_s, backoff_max_s),
+            retry=RetryPolicy(max_retries, backoff_initial_s, backoff_max_s, max_wait_s=backoff_max_s),
             transport=transport,
         )
 

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from ragstream.chunking import Chunker, ChunkingConfig, create_chunker, parse_chunking
 from ragstream.embedding.base import Embedder
+from ragstream.logs import with_document_log_context
 from ragstream.messages import ChunkPayload, DocumentChanged, DocumentChunked
 from ragstream.parsing import ParseError, ParseErrorCode
 from ragstream.parsing_pool import ParserPool
@@ -77,6 +78,7 @@ class ChunkService:
             raise ParseError(ParseErrorCode.EMPTY, "the document has no text to index")
         return parsed.title, chunks
 
+    @with_document_log_context
     async def run(self, message: DocumentChanged) -> list[DocumentChunked]:
         header = message.header
         if await self._store.is_superseded(header.document_id, header.version):

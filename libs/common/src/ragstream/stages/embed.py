@@ -8,6 +8,7 @@ from ragstream.contextual import ChunkContextualizer, EmbeddableChunk, TitledChu
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.coalescing import CoalescingEmbedder, batch_limits
 from ragstream.embedding.spaces import ActiveSpace
+from ragstream.logs import with_document_log_context
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentChunked, DocumentHeader, pack_vectors
 
 __all__ = ["EmbedService", "embedding_input", "embedding_inputs", "embedding_text"]
@@ -78,6 +79,7 @@ class EmbedService:
             coalescer = self._coalescers[embedder.model_key] = CoalescingEmbedder(embedder, limits)
         return coalescer
 
+    @with_document_log_context
     async def run(self, message: DocumentChunked) -> ChunksEmbedded:
         if self._spaces is None:
             embedder = self._embedder

@@ -19,6 +19,7 @@ from ragstream.connectors.base import (
     SourceItem,
 )
 from ragstream.failures import StageFailure, record_failure
+from ragstream.logs import log_context
 from ragstream.messages import DocumentChanged, DocumentDeleted, DocumentHeader
 from ragstream.parsing import ParseErrorCode
 from ragstream.storage.cursors import Direction
@@ -112,9 +113,11 @@ class FetchService:
         """One walk of the listing. ``index_unfinished``: the index side of the previous sync stopped
         before it had indexed everything staged, so staged versions are announced again even if the
         download walk itself had completed. A connector holding platform connections has them closed
-        at the end of the walk, whichever way it ends: every download happens within the walk."""
+        at the end of the walk, whichever way it ends: every download happens within the walk.
+        Everything logged meanwhile carries the connection's id, and the document's while it is handled."""
         try:
-            return await self._walk(sink, index_unfinished)
+            with log_context(connection_id=self._connector.connection_id):
+                return await self._walk(sink, index_unfinished)
         finally:
             if isinstance(self._connector, ClosingConnector):
                 await self._connector.aclose()
@@ -146,7 +149,11 @@ class FetchService:
                 resume_after, ordered = None, False
             previous = item.external_id
             downloaded = counts.downloaded
-            if await self._walk_item(item, resume_after, staged.get(item.external_id), committed, sink, counts):
+            with log_context(document_id=document_id(connection_id, item.external_id)):
+                walked = await self._walk_item(
+                    item, resume_after, staged.get(item.external_id), committed, sink, counts
+                )
+            if walked:
                 listed.add(item.external_id)
             if ordered and (counts.downloaded > downloaded or time.monotonic() - written >= _CURSOR_INTERVAL_S):
                 await cursors.advance(connection_id, "download", item.external_id, counts.seen)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ragstream.logs import log_context, with_document_log_context
 from ragstream.messages import ChunksEmbedded, DocumentDeleted, DocumentIndexed, IndexOutcome
+from ragstream.metrics import CHUNKS_INDEXED, DOCUMENTS_INDEXED
 from ragstream.storage.documents import DocumentStore
 
 __all__ = ["IndexService", "MixedEmbeddingModelsError"]
@@ -20,6 +22,7 @@ class IndexService:
     def __init__(self, store: DocumentStore) -> None:
         self._store = store
 
+    @with_document_log_context
     async def run(self, message: ChunksEmbedded) -> DocumentIndexed | None:
         """Commit when this batch completes its document; None while batches are still missing."""
         batches = [message] if message.batch_count == 1 else await self._store.add_pending_batch(message)
@@ -34,6 +37,9 @@ class IndexService:
         chunks = [chunk for batch in batches for chunk in batch.chunks]
         vectors = np.vstack([batch.vector_array() for batch in batches])
         outcome = await self._store.commit_document(header, chunks, vectors, message.model_key, message.index_version)
+        DOCUMENTS_INDEXED.labels(outcome.value).inc()
+        if outcome is IndexOutcome.INDEXED:
+            CHUNKS_INDEXED.inc(len(chunks))
         return DocumentIndexed(
             document_id=header.document_id,
             connection_id=header.connection_id,
@@ -43,7 +49,9 @@ class IndexService:
         )
 
     async def delete(self, message: DocumentDeleted) -> DocumentIndexed:
-        outcome = await self._store.delete_document(message)
+        with log_context(connection_id=message.connection_id, document_id=message.document_id):
+            outcome = await self._store.delete_document(message)
+        DOCUMENTS_INDEXED.labels(outcome.value).inc()
         return DocumentIndexed(
             document_id=message.document_id,
             connection_id=message.connection_id,

@@ -12,6 +12,8 @@ import asyncpg
 from asyncpg.pool import PoolAcquireContext
 from pgvector.asyncpg import register_vector
 
+from ragstream.metrics import DB_POOL_WAIT
+
 __all__ = [
     "DatabaseBusy",
     "DatabaseUnavailable",
@@ -48,7 +50,8 @@ class _BoundedAcquire(PoolAcquireContext):  # type: ignore[misc]  # asyncpg ship
 
     async def __aenter__(self) -> Any:
         try:
-            return await super().__aenter__()
+            with DB_POOL_WAIT.time():
+                return await super().__aenter__()
         except TimeoutError:
             raise DatabaseBusy(f"no database connection free within {self.timeout} s") from None
 
