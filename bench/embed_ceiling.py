@@ -8,12 +8,12 @@ the embedded pipeline's workers (``RAGSTREAM_INGEST_WORKERS``) run them, against
 DashScope (``tests/support/fake_dashscope.py`` in a child process, real HTTP on 127.0.0.1; requests
 counted by the transport below the outbound gate), through the real ``DashScopeEmbedder`` (its
 limits and retries unchanged: 10 texts per request, 5 in flight), asking for 64-d vectors
-by default (``--dimension``): the size changes no request's shape, and at 1,024-d the fake's own
-pure-Python vectors (~18 ms a text) cap it below the ceiling on a 2-core machine. The ceiling is
-``5 × 10 / latency`` texts/s (250/s at 200 ms). Printed per latency: requests, texts per request,
-the most requests in flight, texts/s and its share of the ceiling, then the same texts
+by default (``--dimension``; 1,024, the production size, costs each side about 1 ms more a request).
+The ceiling is ``5 × 10 / latency`` texts/s (250/s at 200 ms). Printed per latency: requests, texts
+per request, the most requests in flight, texts/s and its share of the ceiling, then the same texts
 as one ``embed`` call (every batch queued at once: what this machine's HTTP stack and CPU reach, the
-practical ceiling here) and the stage's share of it, and the load average.
+practical ceiling here) and the stage's share of it, the CPU milliseconds per request of this process
+and of the fake's (both on the same cores), and the load average.
 """
 
 from __future__ import annotations
