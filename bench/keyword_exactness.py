@@ -30,8 +30,8 @@ import numpy as np
 
 from bench.quality import TOP, Query, answer_header, answers_of, database, load_data, score
 from ragstream.chunking import MarkdownChunker
+from ragstream.core.search import SearchFilters
 from ragstream.parsing import Parser
-from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
 from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore

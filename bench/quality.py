@@ -46,13 +46,13 @@ import asyncpg
 import numpy as np
 
 from ragstream.chunking import MarkdownChunker
+from ragstream.core.search import SearchFilters
 from ragstream.embedding import create_embedder
 from ragstream.embedding.base import Embedder, TextKind, Vectors
 from ragstream.messages import ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.parsing import Parser
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchRequest
 from ragstream.retrieval.fusion import ConvexFusion, Fusion, RrfFusion, convex_fusion, reciprocal_rank_fusion
-from ragstream.retrieval.models import SearchFilters
 from ragstream.segmentation import query_terms
 from ragstream.settings import EmbeddingSettings, Settings
 from ragstream.stages.embed import embedding_text

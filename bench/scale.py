@@ -51,7 +51,7 @@ import asyncpg
 import httpx
 import numpy as np
 
-from ragstream.retrieval.models import SearchFilters
+from ragstream.core.search import SearchFilters
 from ragstream.runtime import open_runtime
 from ragstream.segmentation import query_terms, segment
 from ragstream.settings import Settings

@@ -30,8 +30,8 @@ import asyncpg
 import numpy as np
 
 from bench.vector_recall import synthesize
+from ragstream.core.search import SearchFilters
 from ragstream.messages import ChunkPayload, DocumentHeader
-from ragstream.retrieval.models import SearchFilters
 from ragstream.storage.database import apply_migrations, connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres

@@ -42,7 +42,7 @@ from typing import Any
 import asyncpg
 import numpy as np
 
-from ragstream.retrieval.models import Principal, SearchFilters
+from ragstream.core.search import Principal, SearchFilters
 from ragstream.storage.database import connect_pool
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope

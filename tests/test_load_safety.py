@@ -14,7 +14,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ragstream.api.admission import SearchAdmission
+from ragstream.admission import SearchAdmission
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.connectors.folder import FolderConnector

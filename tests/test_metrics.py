@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from ragstream.api.admission import SearchAdmission
+from ragstream.admission import SearchAdmission
 from ragstream.api.auth import Access
 from ragstream.connectors.folder import FolderConnector
 from ragstream.control.runner import SyncRunner

@@ -18,12 +18,12 @@ from ragstream.api.http import create_app
 from ragstream.api.rechunk import rechunk_router
 from ragstream.chunking import ChunkingConfig, MarkdownChunking, RecursiveChunking
 from ragstream.connectors.folder import FolderConnector
+from ragstream.core.search import SearchFilters
 from ragstream.credentials import CredentialCipher
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, DocumentIndexed
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.rechunk import Rechunker, RechunkProgress
 from ragstream.retrieval import SearchRequest
-from ragstream.retrieval.models import SearchFilters
 from ragstream.runtime import Runtime
 from ragstream.settings import Settings
 from ragstream.stages.index import IndexService

@@ -15,10 +15,10 @@ import pytest
 from ragstream.api.connections import connections_router
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
+from ragstream.core.storable import check_storable, strip_unstorable
 from ragstream.credentials import CredentialCipher
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.runtime import Runtime
-from ragstream.storable import check_storable, strip_unstorable
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents_read import DocumentReadStore

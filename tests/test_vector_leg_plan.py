@@ -10,7 +10,7 @@ import asyncpg
 import numpy as np
 import pytest
 
-from ragstream.retrieval.models import SearchFilters
+from ragstream.core.search import SearchFilters
 from ragstream.runtime import Runtime
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from ragstream.core.errors import ProviderError
 from ragstream.embedding._http import ModelApiClient
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.openai_compatible import parse_openai_error
@@ -25,7 +26,7 @@ DEFAULT_COMPATIBLE_BASE_URL = "https://dashscope.aliyuncs.com/compatible-mode/v1
 CHAT_PATH = "/chat/completions"
 
 
-class ChatError(Exception):
+class ChatError(ProviderError):
     """The chat model failed or answered nothing usable; the message never carries the key."""
 
     def __init__(self, message: str, *, retryable: bool) -> None:

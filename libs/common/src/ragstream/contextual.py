@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ragstream.chat import ChatClient, ChatError
+from ragstream.core.errors import ProviderError
 from ragstream.storage.chunk_contexts import ChunkContextStore
 
 __all__ = ["CONTEXT_PROMPT", "ChunkContextualizer", "ContextUnavailable", "EmbeddableChunk", "TitledChunk"]
@@ -55,7 +56,7 @@ class TitledChunk:
     text: str
 
 
-class ContextUnavailable(Exception):
+class ContextUnavailable(ProviderError):
     """The chat model could not write a chunk's context; the document fails and is tried again."""
 
     def __init__(self, message: str, *, retryable: bool) -> None:

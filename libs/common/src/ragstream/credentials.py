@@ -18,12 +18,13 @@ from collections.abc import Mapping, Sequence
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from pydantic import SecretStr
 
+from ragstream.core.errors import ConfigurationError
 from ragstream.settings import Settings
 
 __all__ = ["CredentialCipher", "CredentialKeyMissing", "CredentialsUnreadable"]
 
 
-class CredentialKeyMissing(RuntimeError):
+class CredentialKeyMissing(ConfigurationError, RuntimeError):
     """Credentials were given or stored, but ``RAGSTREAM_CREDENTIAL_KEYS`` is not set."""
 
     def __init__(self) -> None:
@@ -33,7 +34,7 @@ class CredentialKeyMissing(RuntimeError):
         )
 
 
-class CredentialsUnreadable(ValueError):
+class CredentialsUnreadable(ConfigurationError, ValueError):
     """A stored token was altered, or none of the configured keys encrypted it."""
 
 

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ragstream.core.errors import RagstreamError
+
 __all__ = ["EmbeddingDegraded", "EmbeddingGuard"]
 
 
-class EmbeddingDegraded(Exception):
+class EmbeddingDegraded(RagstreamError):
     """Too many chunks of one sync came back without a vector; the sync stops."""
+
+    code = "embedding_degraded"
 
 
 @dataclass(slots=True)

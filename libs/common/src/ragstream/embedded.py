@@ -13,9 +13,9 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from typing_extensions import override
 
-from ragstream.api.admission import SearchAdmission
+from ragstream.admission import SearchAdmission
 from ragstream.api.auth import Access
-from ragstream.api.control_plane import control_plane_routers
+from ragstream.api.control_plane import control_plane_routers, writing_knowledge
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.api.knowledge import knowledge_router
@@ -25,7 +25,6 @@ from ragstream.control.runner import SyncRunner
 from ragstream.control.runs import SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
-from ragstream.knowledge.control_plane import writing_knowledge
 from ragstream.knowledge.service import KnowledgeService
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer

@@ -32,6 +32,7 @@ import asyncpg
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from ragstream.contextual import ContextUnavailable
+from ragstream.core.errors import ProviderError
 from ragstream.embedding.base import EmbeddingError
 from ragstream.messages import DocumentHeader
 from ragstream.metrics import DOCUMENTS_FAILED, DOCUMENTS_RETRIED
@@ -68,8 +69,8 @@ def classify(error: Exception) -> StageFailure:
 
 
 def is_transient(error: BaseException) -> bool:
-    """Worth another attempt in a moment: the provider or the network, not the document."""
-    if isinstance(error, EmbeddingError | ContextUnavailable):
+    """Worth another attempt in a moment: the provider (as it said) or the network, not the document."""
+    if isinstance(error, ProviderError):
         return error.retryable
     return isinstance(error, TimeoutError | ConnectionError)
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragstream.embedding.base import Vectors
+from ragstream.core.vectors import Vectors
 
 __all__ = [
     "SCHEMA_VERSION",

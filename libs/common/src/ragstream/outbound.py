@@ -25,6 +25,8 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ragstream.core.errors import InvalidInput
+
 __all__ = [
     "OutboundRefused",
     "OutboundSettings",
@@ -54,7 +56,7 @@ class OutboundSettings(BaseSettings):
     ] = False
 
 
-class OutboundRefused(ValueError):
+class OutboundRefused(InvalidInput, ValueError):
     """A URL the gate does not let a request go to; the message says why (never a secret)."""
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ragstream.storable import strip_unstorable
+from ragstream.core.errors import DocumentError
+from ragstream.core.storable import strip_unstorable
 
 if TYPE_CHECKING:
     from bs4 import BeautifulSoup, Tag
@@ -89,7 +90,7 @@ class ParseErrorCode(StrEnum):
     PARSE_CRASHED = "parse_crashed"
 
 
-class ParseError(Exception):
+class ParseError(DocumentError):
     """A permanent, per-document reason why a document cannot be indexed; retrying will not help."""
 
     def __init__(self, code: ParseErrorCode, message: str) -> None:

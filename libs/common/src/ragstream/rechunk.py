@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ragstream.chunking import Chunker, ChunkingConfig
 from ragstream.contextual import ChunkContextualizer, TitledChunk
+from ragstream.core.errors import DocumentError
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.stages.chunk import ChunkService
 from ragstream.stages.embed import embedding_inputs
@@ -37,7 +38,7 @@ __all__ = ["RechunkBusy", "RechunkProgress", "Rechunker", "UnknownConnection"]
 logger = logging.getLogger(__name__)
 
 
-class MissingContent(Exception):
+class MissingContent(DocumentError):
     """The committed version's staged content is gone: only a sync can bring the document back."""
 
 

@@ -23,7 +23,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ragstream.api.auth import Access
-from ragstream.api.control_plane import control_plane_routers
+from ragstream.api.control_plane import control_plane_routers, writing_knowledge
 from ragstream.api.http import create_app as create_http_app
 from ragstream.api.knowledge import knowledge_router
 from ragstream.api.replays import ReplayRequest, ReplayResult
@@ -34,7 +34,6 @@ from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.jobs.sync import SyncJob
 from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure_topics
-from ragstream.knowledge.control_plane import writing_knowledge
 from ragstream.logs import configure_logging
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from ragstream.api.admission import SearchAdmission
+from ragstream.admission import SearchAdmission
 from ragstream.api.auth import Access
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app as create_search_app

@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ragstream.core.errors import ConfigurationError
 from ragstream.settings import ApiKeys, Role
 from ragstream.telemetry import TracingMiddleware
 
@@ -52,7 +53,7 @@ _FORBIDDEN = "this API key may not call this route"
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 
 
-class AccessSetupError(RuntimeError):
+class AccessSetupError(ConfigurationError, RuntimeError):
     """The settings do not allow serving as asked (no keys where they are required)."""
 
 

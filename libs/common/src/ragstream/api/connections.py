@@ -19,13 +19,12 @@ from ragstream.api.syncs import SyncError
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import INDEXABLE_PLATFORMS
+from ragstream.core.storable import Storable
 from ragstream.credentials import CredentialKeyMissing
 from ragstream.embedding.config import EmbedderConfig, stored_embedder
 from ragstream.metrics import CONNECTION_CHANGES
-from ragstream.rechunk import RechunkBusy
-from ragstream.reindex import ReindexBusy, UnknownConnection
+from ragstream.reindex import UnknownConnection
 from ragstream.settings import FolderSettings
-from ragstream.storable import Storable
 from ragstream.storage.connections import Connection, ConnectionStore, PinnedModel
 
 __all__ = [
@@ -320,10 +319,8 @@ def connections_router(
         assert on_embedding_changed is not None
         if same_embedding(current, config.embedding):
             return
-        try:
+        try:  # a re-index already running (ReindexBusy) is a Conflict: 409, see ragstream.api.errors
             await on_embedding_changed(connection_id, config.embedding.spec() if config.embedding else None)
-        except ReindexBusy as error:
-            raise HTTPException(status_code=409, detail=str(error)) from None
         except UnknownConnection:
             raise not_found(connection_id) from None
         except ValueError as error:
@@ -414,10 +411,8 @@ def connections_router(
                     raise not_found(connection_id)
                 config.pop("chunking")
                 if stored_chunking(current) != chunking:
-                    try:
-                        await on_chunking_changed(connection_id, chunking)
-                    except RechunkBusy as error:
-                        raise HTTPException(status_code=409, detail=str(error)) from None
+                    # A re-chunk already running (RechunkBusy) is a Conflict: 409, see ragstream.api.errors.
+                    await on_chunking_changed(connection_id, chunking)
                     logger.info("connection %s: re-chunking started", connection_id)
             try:
                 switch = await store.update(

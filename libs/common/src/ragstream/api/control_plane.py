@@ -1,6 +1,6 @@
 """The control-plane routers, one set for ``ragstream up`` and the connector-fetcher service:
 connections, their syncs and status, re-chunk, re-index, embedding spaces and their fusion, replays
-and document reads."""
+and document reads; and the knowledge tool as the control plane serves it, whose writes start syncs."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from ragstream.api.replays import ReplayRequest, ReplayResult, replay_router
 from ragstream.api.spaces import spaces_router
 from ragstream.api.syncs import folder_syncs_router, sync_router
 from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore, Trigger
+from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRunStore, Trigger
 from ragstream.credentials import CredentialCipher
+from ragstream.knowledge.models import IndexingState
+from ragstream.knowledge.service import KnowledgeService, Searcher
 from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval.reader import DocumentReader
@@ -31,7 +33,7 @@ from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.spaces import SpaceStore
 
-__all__ = ["control_plane_routers"]
+__all__ = ["control_plane_routers", "writing_knowledge"]
 
 
 def control_plane_routers(
@@ -91,3 +93,23 @@ def control_plane_routers(
         spaces_router(SpaceStore(runtime.pool), chosen_fusion(settings)),
         documents_router(lambda: reader),
     ]
+
+
+def writing_knowledge(
+    runtime: Runtime, runs: SyncRunStore, runner: SyncRunner, searcher: Callable[[], Searcher | None]
+) -> KnowledgeService:
+    """A document written to a RAG connection starts a sync run of it (``runs``, claimed by ``runner``)."""
+
+    async def sync_written(connection_id: str) -> IndexingState:
+        """Only the changed document is downloaded again; if a sync is running, its successor (the
+        next one started) picks it up."""
+        try:
+            await runs.start(connection_id, "api")
+        except SyncInProgress:
+            return "sync_running"
+        except RagDisabled:  # switched off meanwhile: searched live
+            return "live"
+        runner.wake()
+        return "sync_started"
+
+    return runtime.knowledge(searcher, on_written=sync_written)

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from ragstream.api.auth import check_principal, search_route
+from ragstream.core.storable import Storable, StorableStr
 from ragstream.retrieval import Principal
 from ragstream.retrieval.budget import MAX_CALL_CHARS
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
-from ragstream.storable import Storable, StorableStr
 
 __all__ = ["documents_router"]
 

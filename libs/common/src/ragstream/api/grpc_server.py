@@ -24,15 +24,15 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 from typing_extensions import override
 
-from ragstream.api.admission import Overloaded, SearchAdmission, counted_search
+from ragstream.admission import Overloaded, SearchAdmission, counted_search
 from ragstream.api.auth import Access, Caller
 from ragstream.api.knowledge import parse_knowledge_request
+from ragstream.core.errors import InvalidInput, Unavailable
+from ragstream.core.search import MetadataValue, SearchRequest, SearchResponse
 from ragstream.knowledge.models import ErrorCode, KnowledgeError, KnowledgeResponse
 from ragstream.knowledge.service import KnowledgeAction, KnowledgeService
 from ragstream.metrics import SEARCH_LATENCY
-from ragstream.retrieval.models import MetadataValue, SearchRequest, SearchResponse
 from ragstream.settings import Role
-from ragstream.storage.database import DatabaseBusy
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 __all__ = [
@@ -73,7 +73,7 @@ class Searcher(Protocol):
     async def search(self, request: SearchRequest) -> SearchResponse: ...
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(InvalidInput, ValueError):
     """A request message the HTTP API would answer with 422; the message says where and why, without
     echoing the input (it may be a long query or someone's history)."""
 
@@ -305,12 +305,13 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServicer):
         except Exception as error:
             if isinstance(error, TimeoutError) and deadline.expired():
                 failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the search finished")
-            elif isinstance(error, Overloaded):
+            elif isinstance(error, Unavailable):  # the database busy or restarting, or no turn for the search
                 context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.retry_after_s * 1000)),))
-                failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many searches at once")
-            elif isinstance(error, DatabaseBusy):
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", "1000"),))
-                failure = (grpc.StatusCode.UNAVAILABLE, "the database is busy")
+                refused = isinstance(error, Overloaded)
+                failure = (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED if refused else grpc.StatusCode.UNAVAILABLE,
+                    error.public_reason,
+                )
             else:  # a timeout of the search's own (a database call) is a failure like any other
                 # The caller learns that it failed, not how: the log has the traceback.
                 logger.exception("gRPC search failed")

@@ -12,9 +12,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from ragstream.api.admission import Overloaded, SearchAdmission, counted_search
+from ragstream.admission import SearchAdmission, counted_search
 from ragstream.api.auth import Access, check_principal, protect, search_route
 from ragstream.api.documents import documents_router
+from ragstream.api.errors import install_error_handlers
 from ragstream.metrics import SEARCH_LATENCY, exposition
 from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
 from ragstream.retrieval.reader import DocumentReader
@@ -43,7 +44,8 @@ def create_app(
     Every route is behind ``access`` (see :mod:`ragstream.api.auth`); without one, every call is
     allowed, as ``ragstream up`` on loopback without keys.
     ``admission`` limits the searches running and waiting (shared with the gRPC API); beyond it, and
-    when the database gives no connection in time, a call answers 503 with ``Retry-After``.
+    when the database gives no connection in time, a call answers 503 with ``Retry-After`` (an error
+    a route leaves unhandled answers as :mod:`ragstream.api.errors` maps its family).
     ``ready`` raises (or answers false) when the database cannot serve: ``/readyz`` says why.
     ``lifespan`` opens and closes what the process needs around serving."""
     app = FastAPI(title=title, version="1", lifespan=lifespan)
@@ -58,17 +60,7 @@ def create_app(
         problems = [{key: value for key, value in problem.items() if key != "input"} for problem in error.errors()]
         return JSONResponse(status_code=422, content={"detail": jsonable_encoder(problems)})
 
-    @app.exception_handler(DatabaseBusy)
-    async def database_busy(request: Request, error: DatabaseBusy) -> JSONResponse:
-        return JSONResponse(status_code=503, content={"detail": "the database is busy"}, headers={"Retry-After": "1"})
-
-    @app.exception_handler(Overloaded)
-    async def overloaded(request: Request, error: Overloaded) -> JSONResponse:
-        return JSONResponse(
-            status_code=503,
-            content={"detail": "too many searches at once"},
-            headers={"Retry-After": str(error.retry_after_s)},
-        )
+    install_error_handlers(app)
 
     if retriever is not None:
         app.include_router(_search_router(retriever, admission))

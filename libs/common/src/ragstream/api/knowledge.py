@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
-from ragstream.api.admission import Overloaded, SearchAdmission
+from ragstream.admission import Overloaded, SearchAdmission
 from ragstream.api.auth import check_principal, search_route
 from ragstream.knowledge.models import ErrorCode, KnowledgeError, KnowledgeRequest, KnowledgeResponse
 from ragstream.knowledge.service import KnowledgeAction, KnowledgeService

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ragstream.core.errors import DocumentError
+
 __all__ = [
     "ClosingConnector",
     "Connector",
@@ -23,11 +25,11 @@ __all__ = [
 ]
 
 
-class DocumentVanished(Exception):
+class DocumentVanished(DocumentError):
     """The item was listed but is gone when fetched (deleted mid-sync); it counts as deleted."""
 
 
-class DocumentUnreadable(Exception):
+class DocumentUnreadable(DocumentError):
     """The platform refused this one document (no permission on it, an error that outlasted the
     retries): it is recorded failed with ``code`` and ``message`` while the sync goes on. Raised
     instead of a platform error so that one document never fails a whole sync; ``retryable`` says

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ragstream.connectors.base import DocumentUnreadable, DocumentVanished, SourceItem
+from ragstream.core.errors import InvalidInput
 from ragstream.parsing import media_type_for
 
 __all__ = ["FolderConnector", "FolderNotAllowed", "confined_folder", "folder_connection_id"]
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 _PLAIN = "".join(chr(code) for code in range(0x20, 0x7F) if chr(code) != "%")
 
 
-class FolderNotAllowed(ValueError):
+class FolderNotAllowed(InvalidInput, ValueError):
     """A folder path outside every allowed root, relative, or not a directory; the message says which."""
 
 

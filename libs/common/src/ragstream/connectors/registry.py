@@ -14,13 +14,14 @@ from ragstream.connectors.feishu import FeishuConnector
 from ragstream.connectors.folder import FolderConnector, FolderNotAllowed, confined_folder, folder_connection_id
 from ragstream.connectors.ima import ImaConnector
 from ragstream.connectors.yuque import YuqueConnector
+from ragstream.core.errors import ConfigurationError
 from ragstream.settings import FolderSettings
 from ragstream.storage.documents import DocumentStore
 
 __all__ = ["INDEXABLE_PLATFORMS", "ConnectionRow", "NoConnector", "connector_for", "register_folder"]
 
 
-class NoConnector(Exception):
+class NoConnector(ConfigurationError):
     """The connection's platform has no connector in this build (or its config cannot make one)."""
 
 

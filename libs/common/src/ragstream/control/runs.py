@@ -25,6 +25,7 @@ from typing import Any, Literal
 import asyncpg
 
 from ragstream.connectors.registry import ConnectionRow
+from ragstream.core.errors import Conflict
 from ragstream.credentials import CredentialCipher
 from ragstream.storage.cursors import Direction
 
@@ -94,14 +95,14 @@ class RunStatus(StrEnum):
     FAILED = "failed"
 
 
-class RagDisabled(Exception):
+class RagDisabled(Conflict):
     """The connection has RAG off (or is gone): it is served by direct search and nothing is indexed."""
 
     def __init__(self, connection_id: str) -> None:
         super().__init__(f"RAG is off for connection {connection_id}: turn rag_enabled on to index it")
 
 
-class SyncInProgress(Exception):
+class SyncInProgress(Conflict):
     """The connection already has a queued or running sync that is not stale (the API's 409)."""
 
     def __init__(self, run: SyncRun | None) -> None:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import numpy as np
-import numpy.typing as npt
+from ragstream.core.errors import ProviderError
+from ragstream.core.vectors import TextKind, Vectors
 
 __all__ = ["Embedder", "EmbeddingError", "TextKind", "Vectors"]
 
-TextKind = Literal["document", "query"]
-Vectors = npt.NDArray[np.float32]
 
-
-class EmbeddingError(Exception):
+class EmbeddingError(ProviderError):
     """An embedding request failed; ``retryable`` tells the caller whether to try again later."""
 
     def __init__(self, message: str, *, retryable: bool, provider: str) -> None:

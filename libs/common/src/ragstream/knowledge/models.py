@@ -9,9 +9,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from ragstream.retrieval.models import ChatTurn, Principal, SearchFilters, SearchResponse
+from ragstream.core.search import ChatTurn, Principal, SearchFilters, SearchResponse
+from ragstream.core.storable import Storable, StorableStr
 from ragstream.retrieval.reader import DocumentRead
-from ragstream.storable import Storable, StorableStr
 
 __all__ = [
     "MAX_BODY_CHARS",

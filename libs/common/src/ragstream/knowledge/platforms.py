@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ragstream.core.errors import RagstreamError
 from ragstream.knowledge.models import Action, ErrorCode, FolderRef
 
 __all__ = [
@@ -61,8 +62,10 @@ def refusal(platform: str, action: Action) -> str:
     return f"Platform '{platform}' does not support {action}"
 
 
-class KnowledgeFailure(Exception):
+class KnowledgeFailure(RagstreamError):
     """An operation's structured error: ``code`` and a message without secrets."""
+
+    code: ErrorCode
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)

@@ -22,7 +22,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from ragstream.api.admission import Overloaded
+from ragstream.admission import Overloaded
+from ragstream.core.search import Principal, SearchFilters, SearchRequest, SearchResponse
 from ragstream.knowledge.models import (
     Action,
     CreateAction,
@@ -50,7 +51,6 @@ from ragstream.knowledge.registry import operations_for
 from ragstream.logs import log_context
 from ragstream.retrieval.budget import truncate_text
 from ragstream.retrieval.direct import DIRECT_RETRY
-from ragstream.retrieval.models import Principal, SearchFilters, SearchRequest, SearchResponse
 from ragstream.retrieval.reader import DocumentRead, DocumentReader
 from ragstream.retrieval.with_direct import live_document_id
 from ragstream.storage.citations import CitationStore

@@ -1,7 +1,6 @@
 """Hybrid retrieval with citations: the request and response models and the retriever."""
 
-from ragstream.retrieval.budget import truncate_text
-from ragstream.retrieval.models import (
+from ragstream.core.search import (
     ChatTurn,
     Principal,
     SearchFilters,
@@ -9,6 +8,7 @@ from ragstream.retrieval.models import (
     SearchResponse,
     SearchResult,
 )
+from ragstream.retrieval.budget import truncate_text
 from ragstream.retrieval.retriever import HybridRetriever, RetrievalSettings
 
 __all__ = [

@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from ragstream.core.search import DegradedPlatform, SearchRequest
 from ragstream.direct.base import LiveHit, PlatformSearcher
 from ragstream.direct.registry import DIRECT_PLATFORMS, searcher_for
-from ragstream.retrieval.models import DegradedPlatform, SearchRequest
 from ragstream.storage.direct_connections import DirectConnection, DirectConnectionStore
 from ragstream.vendor_http import RetryPolicy, VendorError
 

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
+from ragstream.core.search import Principal
 from ragstream.retrieval.budget import MAX_CALL_CHARS, truncate_text
-from ragstream.retrieval.models import Principal
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents_read import DocumentReadStore
 

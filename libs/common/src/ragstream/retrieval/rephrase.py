@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import httpx
 
 from ragstream.chat import CHAT_PATH, DEFAULT_COMPATIBLE_BASE_URL, ChatAnswer, ChatClient, ChatError
-from ragstream.retrieval.models import ChatTurn, RephraseOutcome
+from ragstream.core.search import ChatTurn, RephraseOutcome
 
 __all__ = [
     "CHAT_PATH",

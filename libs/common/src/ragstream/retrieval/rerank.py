@@ -14,6 +14,7 @@ from typing import Protocol
 
 import httpx
 
+from ragstream.core.errors import ProviderError
 from ragstream.embedding._http import ModelApiClient
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.dashscope import DEFAULT_BASE_URL, parse_native_error
@@ -52,7 +53,7 @@ class Reranker(Protocol):
     async def aclose(self) -> None: ...
 
 
-class RerankError(Exception):
+class RerankError(ProviderError):
     """A rerank request failed or its answer was unusable; the message never carries the key."""
 
     def __init__(self, message: str, *, retryable: bool) -> None:

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ragstream.core.search import SearchRequest, SearchResponse, SearchResult
 from ragstream.embedding.base import Embedder, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
@@ -18,7 +19,6 @@ from ragstream.retrieval.fusion import (
     effective_fusion,
     reciprocal_rank_fusion,
 )
-from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
 from ragstream.retrieval.rephrase import QueryRephraser, Rephrasing
 from ragstream.retrieval.rerank import Reranker
 from ragstream.segmentation import query_terms

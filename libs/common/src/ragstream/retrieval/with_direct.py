@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from ragstream.core.search import SearchRequest, SearchResponse, SearchResult
 from ragstream.direct.base import LiveHit
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
 from ragstream.retrieval.direct import DirectOutcome, DirectSearch
 from ragstream.retrieval.fusion import RRF_K, reciprocal_rank_fusion
-from ragstream.retrieval.models import SearchRequest, SearchResponse, SearchResult
 from ragstream.retrieval.retriever import HybridRetriever
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ragstream.core.errors import DocumentError
 from ragstream.logs import log_context, with_document_log_context
 from ragstream.messages import ChunksEmbedded, DocumentDeleted, DocumentIndexed, IndexOutcome
 from ragstream.metrics import CHUNKS_INDEXED, DOCUMENTS_INDEXED
@@ -12,7 +13,7 @@ from ragstream.storage.documents import DocumentStore
 __all__ = ["IndexService", "MixedEmbeddingModelsError"]
 
 
-class MixedEmbeddingModelsError(Exception):
+class MixedEmbeddingModelsError(DocumentError):
     """The batches of one document version were embedded by different models."""
 
 

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.storage.spaces import drop_space_if_unused, pin_space
+from ragstream.storage.sql import identifier
 
 __all__ = ["Connection", "ConnectionStore", "PinnedModel", "RagSwitch", "new_connection_id"]
 
@@ -218,7 +219,7 @@ class ConnectionStore:
         await connection.execute("DELETE FROM chunks WHERE document_id = ANY($1::text[])", ids)
         await connection.execute("DELETE FROM document_failures WHERE connection_id = $1", connection_id)
         for table in ("staged_documents", "pending_batches"):
-            await connection.execute(f"DELETE FROM {table} WHERE document_id = ANY($1::text[])", ids)
+            await connection.execute(f"DELETE FROM {identifier(table)} WHERE document_id = ANY($1::text[])", ids)
         # Staged by a sync that never indexed it; and the cursors, so turning RAG on walks backward again.
         await connection.execute("DELETE FROM staged_documents WHERE connection_id = $1", connection_id)
         await connection.execute("DELETE FROM sync_cursors WHERE connection_id = $1", connection_id)
@@ -232,7 +233,7 @@ class ConnectionStore:
                 connection_id,
             )
             for table in ("staged_documents", "pending_batches", "conversation_citations"):
-                await connection.execute(f"DELETE FROM {table} WHERE document_id = ANY($1::text[])", ids)
+                await connection.execute(f"DELETE FROM {identifier(table)} WHERE document_id = ANY($1::text[])", ids)
             await connection.execute("DELETE FROM staged_documents WHERE connection_id = $1", connection_id)
             # Cascades: documents -> chunks -> embeddings_<n>, document_failures, sync_runs, sync_cursors.
             deleted = await connection.fetchrow(

@@ -12,6 +12,7 @@ import asyncpg
 from asyncpg.pool import PoolAcquireContext
 from pgvector.asyncpg import register_vector
 
+from ragstream.core.errors import Unavailable
 from ragstream.metrics import DB_POOL_WAIT
 
 __all__ = [
@@ -34,13 +35,19 @@ async def _init_connection(connection: asyncpg.Connection) -> None:
     await register_vector(connection)
 
 
-class DatabaseBusy(TimeoutError):
+class DatabaseBusy(Unavailable, TimeoutError):
     """The database could not serve in time: no pool connection within the acquire timeout, or a
     statement cancelled by its ``statement_timeout``. Transient: the API answers 503 with Retry-After."""
 
+    code = "database_busy"
+    public_reason = "the database is busy"
 
-class DatabaseUnavailable(ConnectionError):
+
+class DatabaseUnavailable(Unavailable, ConnectionError):
     """The database is down for now (the embedded PostgreSQL being restarted); the message says why."""
+
+    code = "database_unavailable"
+    public_reason = "the database is unavailable"
 
 
 class _BoundedAcquire(PoolAcquireContext):  # type: ignore[misc]  # asyncpg ships no types

@@ -11,8 +11,8 @@ from typing import Any
 import asyncpg
 from pydantic import SecretStr
 
+from ragstream.core.search import SearchFilters
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
-from ragstream.retrieval.models import SearchFilters
 
 __all__ = ["DirectConnection", "DirectConnectionStore", "readable_connection"]
 

@@ -10,11 +10,13 @@ from typing import Any
 
 import asyncpg
 
-from ragstream.embedding.base import Vectors
+from ragstream.core.errors import DocumentError
+from ragstream.core.vectors import Vectors
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentDeleted, DocumentHeader, IndexOutcome
 from ragstream.segmentation import segment
 from ragstream.storage.cursors import SyncCursorStore
 from ragstream.storage.spaces import lock_space
+from ragstream.storage.sql import identifier
 
 __all__ = [
     "CommittedDocument",
@@ -38,10 +40,12 @@ def chunk_id(document_id: str, version: int, ordinal: int, index_version: int = 
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-class StaleChunkingError(Exception):
+class StaleChunkingError(DocumentError):
     """Chunks made with the chunker of an index version a re-chunk has replaced (chunked before the
     switch, committed after it): the document must be chunked again with the connection's current
     config. Retryable: the embedded pipeline does it at once, a replay or the next sync otherwise."""
+
+    retryable = True
 
     def __init__(self, document_id: str, chunked_for: int, active: int) -> None:
         super().__init__(
@@ -377,7 +381,7 @@ class DocumentStore:
         kept (unless deleted) so a replay of ``doc.changed`` can rebuild an index from it."""
         for table in ("pending_batches", "document_failures"):
             await connection.execute(
-                f"DELETE FROM {table} WHERE document_id = $1 AND version <= $2", document_id, version
+                f"DELETE FROM {identifier(table)} WHERE document_id = $1 AND version <= $2", document_id, version
             )
         await connection.execute(
             f"DELETE FROM staged_documents WHERE document_id = $1 AND version {'<' if keep_staged else '<='} $2",

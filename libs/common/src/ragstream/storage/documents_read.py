@@ -8,7 +8,7 @@ from typing import Any
 
 import asyncpg
 
-from ragstream.retrieval.models import Principal, SearchFilters
+from ragstream.core.search import Principal, SearchFilters
 from ragstream.storage.scope import Scope
 
 __all__ = ["DocumentChunks", "DocumentReadStore"]

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import asyncpg
 
-from ragstream.embedding.base import Vectors
+from ragstream.core.errors import Conflict
+from ragstream.core.vectors import Vectors
 from ragstream.messages import ChunkPayload
 from ragstream.storage.documents import chunk_id, write_chunks
 from ragstream.storage.spaces import UnknownConnection, lock_space
@@ -37,7 +38,7 @@ RechunkRunStatus = Literal["running", "switched", "failed", "interrupted"]
 _LOCK_SPACE = 0x7263686B
 
 
-class RechunkBusy(Exception):
+class RechunkBusy(Conflict):
     """A re-chunk of this connection is already running (in this process or another)."""
 
 

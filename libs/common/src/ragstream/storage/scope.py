@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragstream.retrieval.models import Principal, SearchFilters
+from ragstream.core.search import Principal, SearchFilters
 
 __all__ = ["Scope"]
 

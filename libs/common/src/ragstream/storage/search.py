@@ -14,10 +14,11 @@ from typing import Any, Literal, NamedTuple
 import asyncpg
 import numpy as np
 
-from ragstream.embedding.base import Vectors
+from ragstream.core.vectors import Vectors
 from ragstream.storage.database import DatabaseBusy
 from ragstream.storage.postings import BM25_SCORE, Bm25Statistics, ImpactOrderedPostings
 from ragstream.storage.scope import Scope
+from ragstream.storage.sql import identifier
 
 __all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore", "SearchedSpace"]
 
@@ -338,7 +339,8 @@ class SearchStore:
         visible, and how many it yielded (fewer than ``ef`` when the table is small)."""
         await connection.execute(f"SET LOCAL hnsw.ef_search = {ef}")
         row = await connection.fetchrow(
-            f"WITH candidates AS MATERIALIZED (SELECT e.chunk_id, e.embedding <=> $1 AS distance FROM {table} e"
+            "WITH candidates AS MATERIALIZED (SELECT e.chunk_id, e.embedding <=> $1 AS distance"
+            f" FROM {identifier(table)} e"
             f"  ORDER BY e.embedding <=> $1 LIMIT {ef}),"
             f" visible AS (SELECT v.id, ca.distance FROM candidates ca CROSS JOIN LATERAL ({_scope_probe(scope)}) AS v)"
             " SELECT (SELECT count(*) FROM candidates) AS seen, (SELECT count(*) FROM visible) AS visible,"
@@ -356,7 +358,7 @@ class SearchStore:
     ) -> list[Hit]:
         """Distances to every scoped chunk: computed in a CTE so no index can answer the ORDER BY."""
         rows = await connection.fetch(
-            f"WITH scoped AS MATERIALIZED (SELECT c.id, e.embedding <=> $1 AS distance FROM {table} e"
+            f"WITH scoped AS MATERIALIZED (SELECT c.id, e.embedding <=> $1 AS distance FROM {identifier(table)} e"
             f"  JOIN chunks c ON c.id = e.chunk_id {scope.joins} WHERE {scope.sql})"
             " SELECT id, 1 - distance AS score FROM scoped ORDER BY distance, id LIMIT $2",
             vector,
@@ -373,10 +375,13 @@ class SearchStore:
         ``scope`` (numbered from $3), only those of its chunks: a table holds the vectors a re-index
         is building for connections that another leg covers."""
         if scope is None:
-            sql = f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {table} WHERE chunk_id = ANY($2::text[])"
+            sql = (
+                f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {identifier(table)}"
+                " WHERE chunk_id = ANY($2::text[])"
+            )
         else:
             sql = (
-                f"SELECT e.chunk_id, 1 - (e.embedding <=> $1) AS score FROM {table} e"
+                f"SELECT e.chunk_id, 1 - (e.embedding <=> $1) AS score FROM {identifier(table)} e"
                 f" CROSS JOIN LATERAL ({_scope_probe(scope, 'e.chunk_id')}) AS v WHERE e.chunk_id = ANY($2::text[])"
             )
         rows = await self._db.fetch(

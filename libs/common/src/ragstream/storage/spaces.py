@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 import asyncpg
 
-from ragstream.embedding.base import Vectors
+from ragstream.core.errors import Conflict, DocumentError, NotFound
+from ragstream.core.vectors import Vectors
+from ragstream.storage.sql import identifier
 
 __all__ = [
     "ChunkText",
@@ -44,10 +46,12 @@ _EFFECTIVE = "coalesce(k.embedding_model_key, (SELECT model_key FROM embedding_s
 _CONNECTION_LOCK = 0x72696463
 
 
-class RetiredSpaceError(Exception):
+class RetiredSpaceError(DocumentError):
     """Vectors of a model that a re-index has replaced, for the deployment or for the document's
     connection: the document must be embedded again with the connection's model (recorded as a
     retryable failure; the embedded pipeline does it at once, the next sync or a replay otherwise)."""
+
+    retryable = True
 
     def __init__(self, model_key: str, connection_id: str | None = None) -> None:
         whose = f"connection {connection_id}" if connection_id else "the deployment"
@@ -58,11 +62,11 @@ class RetiredSpaceError(Exception):
         self.model_key = model_key
 
 
-class ReindexBusy(Exception):
+class ReindexBusy(Conflict):
     """Another re-index holds the lock (in this process or another)."""
 
 
-class UnknownConnection(LookupError):
+class UnknownConnection(NotFound, LookupError):
     """No connection with this id."""
 
 
@@ -111,10 +115,12 @@ def _space(row: asyncpg.Record) -> EmbeddingSpace:
 
 async def _create_table(connection: asyncpg.Connection, table: str, dimension: int) -> None:
     await connection.execute(
-        f"CREATE TABLE {table} (chunk_id text PRIMARY KEY REFERENCES chunks (id) ON DELETE CASCADE,"
+        f"CREATE TABLE {identifier(table)} (chunk_id text PRIMARY KEY REFERENCES chunks (id) ON DELETE CASCADE,"
         f" embedding vector({dimension}) NOT NULL)"
     )
-    await connection.execute(f"CREATE INDEX {table}_hnsw ON {table} USING hnsw (embedding vector_cosine_ops)")
+    await connection.execute(
+        f"CREATE INDEX {identifier(f'{table}_hnsw')} ON {identifier(table)} USING hnsw (embedding vector_cosine_ops)"
+    )
 
 
 async def _ensure_space(connection: asyncpg.Connection, model_key: str, dimension: int) -> EmbeddingSpace:
@@ -346,7 +352,7 @@ class SpaceStore:
         members, params = _members(connection_id, 1)
         return int(
             await self._pool.fetchval(
-                f"SELECT count(*) FROM {table} e JOIN chunks c ON c.id = e.chunk_id {members}", *params
+                f"SELECT count(*) FROM {identifier(table)} e JOIN chunks c ON c.id = e.chunk_id {members}", *params
             )
         )
 
@@ -357,7 +363,7 @@ class SpaceStore:
         members, params = _members(connection_id, 3)
         rows = await connection.fetch(
             f"SELECT c.id, d.title, c.heading, c.text FROM chunks c {members}"
-            f" AND c.id > $1 AND NOT EXISTS (SELECT 1 FROM {table} e WHERE e.chunk_id = c.id)"
+            f" AND c.id > $1 AND NOT EXISTS (SELECT 1 FROM {identifier(table)} e WHERE e.chunk_id = c.id)"
             " ORDER BY c.id LIMIT $2",
             after,
             limit,
@@ -379,7 +385,7 @@ class SpaceStore:
             try:
                 async with connection.transaction():
                     await connection.executemany(
-                        f"INSERT INTO {table} (chunk_id, embedding) SELECT $1, $2"
+                        f"INSERT INTO {identifier(table)} (chunk_id, embedding) SELECT $1, $2"
                         " WHERE EXISTS (SELECT 1 FROM chunks WHERE id = $1) ON CONFLICT (chunk_id) DO NOTHING",
                         list(zip(ids, list(vectors), strict=True)),
                     )
@@ -424,7 +430,7 @@ class SpaceStore:
         # first, in the order searches take them (SearchStore.snapshot: chunks, then an embedding
         # table), so a search in flight finishes instead of deadlocking with us.
         await connection.execute("LOCK TABLE chunks IN ACCESS EXCLUSIVE MODE")
-        await connection.execute(f"DROP TABLE {space.table}")
+        await connection.execute(f"DROP TABLE {identifier(space.table)}")
         return True
 
     async def switch(self, target_key: str, embed: Callable[[list[ChunkText]], Awaitable[Vectors]], batch: int) -> int:
@@ -454,7 +460,7 @@ class SpaceStore:
             if old is not None and not await self._drop_if_unused(connection, old):
                 # Kept for the connections pinned to it: only theirs stay.
                 await connection.execute(
-                    f"DELETE FROM {old.table} e USING chunks c {_MEMBER_JOINS}"
+                    f"DELETE FROM {identifier(old.table)} e USING chunks c {_MEMBER_JOINS}"
                     " WHERE e.chunk_id = c.id AND k.embedding_model_key IS DISTINCT FROM $1",
                     old.model_key,
                 )
@@ -508,7 +514,7 @@ class SpaceStore:
             old = spaces.get(source_key) if source_key is not None else None
             if old is not None and old.model_key != target_key and not await self._drop_if_unused(connection, old):
                 await connection.execute(
-                    f"DELETE FROM {old.table} e USING chunks c, documents d"
+                    f"DELETE FROM {identifier(old.table)} e USING chunks c, documents d"
                     " WHERE e.chunk_id = c.id AND d.id = c.document_id AND d.connection_id = $1",
                     connection_id,
                 )

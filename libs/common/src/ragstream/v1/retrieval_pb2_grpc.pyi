@@ -3,7 +3,7 @@
 isort:skip_file
 ragstream retrieval over gRPC: the same hybrid search as `POST /v1/search`, for a chat core that
 searches on every turn. Each message mirrors the HTTP model of the same name
-(libs/common/src/ragstream/retrieval/models.py); the server validates a request against that model,
+(libs/common/src/ragstream/core/search.py); the server validates a request against that model,
 so limits and defaults are the HTTP API's.
 
 Python code generated from this file lives in libs/common/src/ragstream/v1/ (`make proto`).

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from ragstream.storable import Storable, StorableStr
+from ragstream.core.storable import Storable, StorableStr
 
 __all__ = [
     "ChatTurn",

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Literal
 
+from ragstream.core.errors import Unavailable
 from ragstream.metrics import ADMISSION_REJECTIONS, SEARCH_REQUESTS
 from ragstream.settings import Settings
 from ragstream.storage.database import DatabaseBusy
@@ -15,9 +16,12 @@ from ragstream.storage.database import DatabaseBusy
 __all__ = ["Overloaded", "SearchAdmission", "counted_search"]
 
 
-class Overloaded(Exception):
+class Overloaded(Unavailable):
     """No turn for this search: too many waiting already, or the wait for a turn timed out. The API
     answers 503 with ``Retry-After: retry_after_s`` (gRPC: RESOURCE_EXHAUSTED)."""
+
+    code = "overloaded"
+    public_reason = "too many searches at once"
 
     def __init__(self, reason: str, retry_after_s: int) -> None:
         super().__init__(reason)
