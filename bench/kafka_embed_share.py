@@ -35,13 +35,13 @@ if str(REPO) not in sys.path:  # tests.support is imported from the repository, 
     sys.path.insert(0, str(REPO))
 
 from ragstream.connectors.folder import FolderConnector  # noqa: E402
-from ragstream.control.runs import SyncRunStore  # noqa: E402
 from ragstream.embedding.local import LocalUSEEmbedder  # noqa: E402
 from ragstream.jobs.sync import SyncJob  # noqa: E402
 from ragstream.local_kafka import KafkaNode  # noqa: E402
 from ragstream.runtime import Runtime, open_runtime  # noqa: E402
 from ragstream.settings import Settings  # noqa: E402
 from ragstream.stages.embed import embedding_input  # noqa: E402
+from ragstream.storage.downstream import DownstreamStore  # noqa: E402
 from ragstream.storage.embedded_postgres import EmbeddedPostgres  # noqa: E402
 from ragstream.transport.kafka import KafkaTransport  # noqa: E402
 from tests.support.stages import kafka_stages  # noqa: E402
@@ -145,22 +145,18 @@ async def measure(dsn: str, bootstrap: str, corpus: Path, copy: Path) -> list[di
             raise SystemExit("this bench runs the local USE embedder (RAGSTREAM_EMBEDDER_PROVIDER=local)")
         await embedder.warm_up()
         counter = EncodeCounter(embedder)
-        runs = SyncRunStore(runtime.pool, runtime.dsn)
         rows = []
-        try:
-            async with kafka_stages(runtime, bootstrap) as broker:
-                job = SyncJob(
-                    runtime.store,
-                    KafkaTransport(broker, runs, poll_interval_s=0.05),
-                    max_document_bytes=runtime.settings.max_document_bytes,
-                )
-                load, started = os.getloadavg()[0], time.perf_counter()
-                report = await job.sync(FolderConnector(corpus))
-                seconds = time.perf_counter() - started
-            texts = await embedded_texts(runtime, corpus)
-            rows.append(row("kafka", report.progress.indexed, texts, seconds, counter.take(), load))
-        finally:
-            await runs.aclose()
+        async with kafka_stages(runtime, bootstrap) as broker:
+            job = SyncJob(
+                runtime.store,
+                KafkaTransport(broker, DownstreamStore(runtime.pool), poll_interval_s=0.05),
+                max_document_bytes=runtime.settings.max_document_bytes,
+            )
+            load, started = os.getloadavg()[0], time.perf_counter()
+            report = await job.sync(FolderConnector(corpus))
+            seconds = time.perf_counter() - started
+        texts = await embedded_texts(runtime, corpus)
+        rows.append(row("kafka", report.progress.indexed, texts, seconds, counter.take(), load))
         load, started = os.getloadavg()[0], time.perf_counter()
         report = await runtime.pipeline().sync(FolderConnector(copy))
         seconds = time.perf_counter() - started

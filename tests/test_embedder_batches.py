@@ -17,7 +17,6 @@ import pytest
 from faststream.kafka import TestKafkaBroker
 
 from ragstream.connectors.folder import FolderConnector
-from ragstream.control.runs import SyncRunStore
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
 from ragstream.embedding.coalescing import BatchLimits
 from ragstream.jobs.sync import SyncJob
@@ -28,6 +27,7 @@ from ragstream.runtime import Runtime
 from ragstream.service import ServiceContext
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.fetch import FetchService
+from ragstream.storage.downstream import DownstreamStore
 from ragstream.transport.kafka import KafkaTransport
 from ragstream_embedder.main import register_handlers
 from tests.support.pipeline import KafkaLag
@@ -202,32 +202,28 @@ async def test_the_kafka_embedder_fills_calls_across_documents(
     embedder = CountingEmbedder(runtime)
     embedder.hold_first = True
     stages = replace(runtime, embed=EmbedService(embedder))
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
-    try:
-        async with kafka_stages(stages, kafka_bootstrap) as broker, KafkaLag(kafka_bootstrap) as lag:
-            transport = KafkaTransport(broker, runs, poll_interval_s=0.05)
-            job = SyncJob(runtime.store, transport, max_document_bytes=runtime.settings.max_document_bytes)
-            before = await lag.end(Topic.DOC_CHUNKED)
-            sync = asyncio.create_task(job.sync(FolderConnector(folder)))
-            await asyncio.wait_for(embedder.holding.wait(), _WAIT_S)
-            deadline = time.monotonic() + _WAIT_S
-            while await lag.end(Topic.DOC_CHUNKED) < before + documents:
-                assert time.monotonic() < deadline, "the chunker did not announce every document"
-                await asyncio.sleep(0.1)
-            embedder.release.set()
-            report = await asyncio.wait_for(sync, _WAIT_S)
+    async with kafka_stages(stages, kafka_bootstrap) as broker, KafkaLag(kafka_bootstrap) as lag:
+        transport = KafkaTransport(broker, DownstreamStore(runtime.pool), poll_interval_s=0.05)
+        job = SyncJob(runtime.store, transport, max_document_bytes=runtime.settings.max_document_bytes)
+        before = await lag.end(Topic.DOC_CHUNKED)
+        sync = asyncio.create_task(job.sync(FolderConnector(folder)))
+        await asyncio.wait_for(embedder.holding.wait(), _WAIT_S)
+        deadline = time.monotonic() + _WAIT_S
+        while await lag.end(Topic.DOC_CHUNKED) < before + documents:
+            assert time.monotonic() < deadline, "the chunker did not announce every document"
+            await asyncio.sleep(0.1)
+        embedder.release.set()
+        report = await asyncio.wait_for(sync, _WAIT_S)
 
-            assert report.ok and report.progress.indexed == documents
-            assert sum(len(call) for call in embedder.calls) == documents
-            assert len(embedder.calls) <= documents // 4, [len(call) for call in embedder.calls]
+        assert report.ok and report.progress.indexed == documents
+        assert sum(len(call) for call in embedder.calls) == documents
+        assert len(embedder.calls) <= documents // 4, [len(call) for call in embedder.calls]
 
-            (folder / "rejected.md").write_text("# Rejected\n\nThe rejected page is refused by the provider.\n")
-            for number in range(5):
-                page = folder / f"curlew-{number:02}.md"
-                page.write_text(f"# Curlew {number}\n\nCurlew {number} nests in heather.\n")
-            report = await asyncio.wait_for(job.sync(FolderConnector(folder)), _WAIT_S)
-    finally:
-        await runs.aclose()
+        (folder / "rejected.md").write_text("# Rejected\n\nThe rejected page is refused by the provider.\n")
+        for number in range(5):
+            page = folder / f"curlew-{number:02}.md"
+            page.write_text(f"# Curlew {number}\n\nCurlew {number} nests in heather.\n")
+        report = await asyncio.wait_for(job.sync(FolderConnector(folder)), _WAIT_S)
 
     assert report.progress.indexed == 5
     assert [(failure.source, failure.code) for failure in report.failures] == [("rejected.md", "embedding_rejected")]
