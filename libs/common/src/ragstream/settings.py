@@ -286,10 +286,11 @@ class Settings(BaseSettings):
     ingest_workers: Annotated[
         int,
         Field(
-            title="Documents in flight in the embedded pipeline",
+            title="Documents in flight per ingest process",
             description=(
-                "Each is parsed, chunked, embedded and committed on its own; enough of them keep the "
-                "embedder's batches full (64 texts for USE, 5 requests of 10 for DashScope)."
+                "The embedded pipeline's workers and the embedder service's messages per batch. Each "
+                "document is embedded and committed on its own; enough of them keep the embedder's "
+                "batches full (64 texts for USE, 5 requests of 10 for DashScope)."
             ),
             ge=1,
         ),
