@@ -44,6 +44,31 @@ from tests.support.fake_dashscope import DEFAULT_API_KEY, FakeDashScope, create_
 from tests.support.http_server import serve_in_thread  # noqa: E402
 
 SEED = 20261202
+# Words of database documentation, for made-up chunks of a realistic length.
+WORDS = [
+    "table",
+    "index",
+    "vacuum",
+    "query",
+    "planner",
+    "replication",
+    "backup",
+    "restore",
+    "role",
+    "schema",
+    "trigger",
+    "partition",
+    "transaction",
+    "snapshot",
+    "checkpoint",
+    "cursor",
+    "sequence",
+    "constraint",
+    "aggregate",
+    "window",
+    "extension",
+    "tablespace",
+]
 IN_FLIGHT = 5
 BATCH = 10
 
@@ -51,23 +76,10 @@ BATCH = 10
 def documents(count: int) -> list[DocumentChunked]:
     """``count`` documents of 1 to 7 chunks of about 600 characters each."""
     rng = random.Random(SEED)
-    words = [
-        "table",
-        "index",
-        "vacuum",
-        "query",
-        "planner",
-        "replication",
-        "backup",
-        "restore",
-        "role",
-        "schema",
-        "trigger",
-    ]
     made = []
     for number in range(count):
         chunks = [
-            ChunkPayload(ordinal=i, heading=f"Section {i}", text=" ".join(rng.choices(words, k=90)))
+            ChunkPayload(ordinal=i, heading=f"Section {i}", text=" ".join(rng.choices(WORDS[:11], k=90)))
             for i in range(rng.randint(1, 7))
         ]
         header = DocumentHeader(

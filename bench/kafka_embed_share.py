@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tests.support is imported from the repository, not installed
     sys.path.insert(0, str(REPO))
 
+from bench.embed_ceiling import WORDS  # noqa: E402
 from ragstream.connectors.folder import FolderConnector  # noqa: E402
 from ragstream.embedding.local import LocalUSEEmbedder  # noqa: E402
 from ragstream.jobs.sync import SyncJob  # noqa: E402
@@ -49,30 +50,6 @@ from tests.support.stages import kafka_stages  # noqa: E402
 # USE pads a pass to its longest text, so the best batch size depends on the texts: the raw
 # embedder's figure is the fastest of these.
 RAW_BATCHES = (16, 32, 64)
-WORDS = [
-    "table",
-    "index",
-    "vacuum",
-    "query",
-    "planner",
-    "replication",
-    "backup",
-    "restore",
-    "role",
-    "schema",
-    "trigger",
-    "partition",
-    "transaction",
-    "snapshot",
-    "checkpoint",
-    "cursor",
-    "sequence",
-    "constraint",
-    "aggregate",
-    "window",
-    "extension",
-    "tablespace",
-]
 
 
 def write_corpus(folder: Path, documents: int, seed: int) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from ragstream.api.runs import RunState, kind_routes
+from ragstream.api.runs import RunState, kind_routes, run_fields
 from ragstream.chunking import ChunkingConfig
 from ragstream.storage.runs import Run, RunStore
 
@@ -56,22 +56,14 @@ class RechunkStatus(BaseModel):
         progress = run.progress
         assert run.connection_id is not None, "a re-chunk run has a connection"
         return cls(
-            id=run.id,
+            **run_fields(run),
             connection_id=run.connection_id,
             index_version=run.params.get("index_version"),
             chunking=run.params.get("chunking", {}),
-            status=run.status.value,
-            error=run.error,
             documents_total=progress.get("documents_total", 0),
             documents_done=progress.get("documents_done", 0),
             documents_failed=progress.get("documents_failed", 0),
             chunks=progress.get("chunks", 0),
-            rate=progress.get("rate"),
-            eta_seconds=progress.get("eta_seconds"),
-            created_at=run.created_at,
-            started_at=run.started_at,
-            heartbeat_at=run.heartbeat_at,
-            finished_at=run.finished_at,
         )
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, status
 from pydantic import BaseModel, Field
 
-from ragstream.api.runs import RunState, kind_routes
+from ragstream.api.runs import RunState, kind_routes, run_fields
 from ragstream.embedding.config import EmbedderConfig
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.reindex import ReindexBusy
@@ -55,20 +55,12 @@ class ReindexStatus(BaseModel):
     def of(cls, run: Run) -> ReindexStatus:
         progress = run.progress
         return cls(
-            id=run.id,
+            **run_fields(run),
             connection_id=run.connection_id,
             source_key=run.params.get("source_key"),
             target_key=run.params.get("target_key"),
-            status=run.status.value,
-            error=run.error,
             chunks_total=progress.get("chunks_total", 0),
             chunks_embedded=progress.get("chunks_embedded", 0),
-            rate=progress.get("rate"),
-            eta_seconds=progress.get("eta_seconds"),
-            created_at=run.created_at,
-            started_at=run.started_at,
-            heartbeat_at=run.heartbeat_at,
-            finished_at=run.finished_at,
         )
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from ragstream.storage.runs import Run, RunKind, RunStore
 
-__all__ = ["RunState", "RunView", "kind_routes", "runs_router"]
+__all__ = ["RunState", "RunView", "kind_routes", "run_fields", "runs_router"]
 
 RunState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 _View = TypeVar("_View", bound=BaseModel)
@@ -52,6 +52,22 @@ class RunView(BaseModel):
     @classmethod
     def of(cls, run: Run) -> RunView:
         return cls.model_validate(run, from_attributes=True)
+
+
+def run_fields(run: Run) -> dict[str, Any]:
+    """What every kind's own status view takes from the run row as it is: its id, status, error,
+    rate and ETA, and its times."""
+    return {
+        "id": run.id,
+        "status": run.status.value,
+        "error": run.error,
+        "rate": run.progress.get("rate"),
+        "eta_seconds": run.progress.get("eta_seconds"),
+        "created_at": run.created_at,
+        "started_at": run.started_at,
+        "heartbeat_at": run.heartbeat_at,
+        "finished_at": run.finished_at,
+    }
 
 
 def kind_routes(
