@@ -8,12 +8,12 @@ the embedded pipeline's workers (``RAGSTREAM_INGEST_WORKERS``) run them, against
 DashScope (``tests/support/fake_dashscope.py`` in a child process, real HTTP on 127.0.0.1; requests
 counted by the transport below the outbound gate), through the real ``DashScopeEmbedder`` (its
 limits and retries unchanged: 10 texts per request, 5 in flight), asking for 64-d vectors
-by default (``--dimension``): the size changes no request's shape, and at 1,024-d the fake's own
-pure-Python vectors (~18 ms a text) cap it below the ceiling on a 2-core machine. The ceiling is
-``5 × 10 / latency`` texts/s (250/s at 200 ms). Printed per latency: requests, texts per request,
-the most requests in flight, texts/s and its share of the ceiling, then the same texts
+by default (``--dimension``; 1,024, the production size, costs each side about 1 ms more a request).
+The ceiling is ``5 × 10 / latency`` texts/s (250/s at 200 ms). Printed per latency: requests, texts
+per request, the most requests in flight, texts/s and its share of the ceiling, then the same texts
 as one ``embed`` call (every batch queued at once: what this machine's HTTP stack and CPU reach, the
-practical ceiling here) and the stage's share of it, and the load average.
+practical ceiling here) and the stage's share of it, the CPU milliseconds per request of this process
+and of the fake's (both on the same cores), and the load average.
 """
 
 from __future__ import annotations
@@ -44,6 +44,31 @@ from tests.support.fake_dashscope import DEFAULT_API_KEY, FakeDashScope, create_
 from tests.support.http_server import serve_in_thread  # noqa: E402
 
 SEED = 20261202
+# Words of database documentation, for made-up chunks of a realistic length.
+WORDS = [
+    "table",
+    "index",
+    "vacuum",
+    "query",
+    "planner",
+    "replication",
+    "backup",
+    "restore",
+    "role",
+    "schema",
+    "trigger",
+    "partition",
+    "transaction",
+    "snapshot",
+    "checkpoint",
+    "cursor",
+    "sequence",
+    "constraint",
+    "aggregate",
+    "window",
+    "extension",
+    "tablespace",
+]
 IN_FLIGHT = 5
 BATCH = 10
 
@@ -51,23 +76,10 @@ BATCH = 10
 def documents(count: int) -> list[DocumentChunked]:
     """``count`` documents of 1 to 7 chunks of about 600 characters each."""
     rng = random.Random(SEED)
-    words = [
-        "table",
-        "index",
-        "vacuum",
-        "query",
-        "planner",
-        "replication",
-        "backup",
-        "restore",
-        "role",
-        "schema",
-        "trigger",
-    ]
     made = []
     for number in range(count):
         chunks = [
-            ChunkPayload(ordinal=i, heading=f"Section {i}", text=" ".join(rng.choices(words, k=90)))
+            ChunkPayload(ordinal=i, heading=f"Section {i}", text=" ".join(rng.choices(WORDS[:11], k=90)))
             for i in range(rng.randint(1, 7))
         ]
         header = DocumentHeader(
@@ -114,30 +126,49 @@ class CountingTransport(httpx.AsyncBaseTransport):
         await self._network.aclose()
 
 
-@contextmanager
-def fake_in_its_own_process(delay_s: float) -> Iterator[str]:
+class FakeProcess:
     """The fake DashScope delaying every request by ``delay_s``, served by a child process: its CPU
-    (building and serialising vectors) does not share this process's GIL with the client's."""
-    child = subprocess.Popen(
-        [sys.executable, "-m", "bench.embed_ceiling", "--serve-fake", str(delay_s)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    assert child.stdin is not None and child.stdout is not None
+    (building and serialising vectors) does not share this process's GIL with the client's, though
+    it shares the machine's cores. ``cpu_s()`` asks the child for the CPU seconds it has used."""
+
+    def __init__(self, delay_s: float) -> None:
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "bench.embed_ceiling", "--serve-fake", str(delay_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        assert self._child.stdin is not None and self._child.stdout is not None
+        self._stdin, self._stdout = self._child.stdin, self._child.stdout
+        self.base_url = self._stdout.readline().strip()
+
+    def cpu_s(self) -> float:
+        self._stdin.write("cpu\n")
+        self._stdin.flush()
+        return float(self._stdout.readline())
+
+    def close(self) -> None:
+        self._stdin.close()
+        self._child.wait(timeout=30)
+
+
+@contextmanager
+def fake_in_its_own_process(delay_s: float) -> Iterator[FakeProcess]:
+    fake = FakeProcess(delay_s)
     try:
-        yield child.stdout.readline().strip()
+        yield fake
     finally:
-        child.stdin.close()
-        child.wait(timeout=30)
+        fake.close()
 
 
 def serve_fake(delay_s: float) -> None:
-    """In the child: serve until the parent closes stdin."""
+    """In the child: serve, answering each line on stdin with the CPU seconds used so far, until the
+    parent closes it."""
     with serve_in_thread(create_app(FakeDashScope(delay_s=delay_s)), "fake-dashscope") as base_url:
         print(base_url, flush=True)
-        sys.stdin.read()
+        for _ in sys.stdin:
+            print(time.process_time(), flush=True)
 
 
 async def one_latency(
@@ -205,11 +236,13 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     flat = [chunk.text for message in messages for chunk in message.chunks]
     for latency_ms in (int(value) for value in args.latencies.split(",")):
-        with fake_in_its_own_process(latency_ms / 1000) as base_url:
+        with fake_in_its_own_process(latency_ms / 1000) as fake:
             load_before = os.getloadavg()[0]
             transport = CountingTransport()
-            wall = asyncio.run(one_latency(base_url, messages, args.workers, args.dimension, transport))
-            direct = asyncio.run(all_at_once(base_url, flat, args.dimension))
+            client_cpu, fake_cpu = time.process_time(), fake.cpu_s()
+            wall = asyncio.run(one_latency(fake.base_url, messages, args.workers, args.dimension, transport))
+            client_cpu, fake_cpu = time.process_time() - client_cpu, fake.cpu_s() - fake_cpu
+            direct = asyncio.run(all_at_once(fake.base_url, flat, args.dimension))
         sizes = transport.sizes
         ceiling = IN_FLIGHT * BATCH / (latency_ms / 1000)
         rows.append(
@@ -227,21 +260,24 @@ def main() -> None:
                 "share_of_ceiling": round(texts / wall / ceiling, 3),
                 "all_at_once_texts_per_s": round(texts / direct, 1),
                 "share_of_all_at_once": round(direct / wall, 3),
+                "client_cpu_ms_per_request": round(client_cpu * 1000 / len(sizes), 2),
+                "fake_cpu_ms_per_request": round(fake_cpu * 1000 / len(sizes), 2),
                 "load1_before": round(load_before, 2),
                 "load1_after": round(os.getloadavg()[0], 2),
             }
         )
     header = (
         "| latency | requests (full) | texts/request | max in flight | texts/s | ceiling | share "
-        "| one call of all texts: texts/s | share | load 1-min |"
+        "| one call of all texts: texts/s | share | CPU ms/request: client, fake | load 1-min |"
     )
     print(header)
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['latency_ms']} ms | {row['requests']} ({row['full_requests']}) | {row['texts_per_request']} "
             f"| {row['max_in_flight_seen']} | {row['texts_per_s']} | {row['ceiling_texts_per_s']} "
             f"| {row['share_of_ceiling']:.1%} | {row['all_at_once_texts_per_s']} | {row['share_of_all_at_once']:.1%} "
+            f"| {row['client_cpu_ms_per_request']}, {row['fake_cpu_ms_per_request']} "
             f"| {row['load1_before']} → {row['load1_after']} |"
         )
     print(json.dumps({"workers": args.workers, "dimension": args.dimension, "rows": rows}))

@@ -28,8 +28,6 @@ from starlette.routing import BaseRoute, Mount, Route
 from ragstream.api.auth import OPEN_PATHS, Access, AccessSetupError
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncRunStore
 from ragstream.embedded import api_app, serve
 from ragstream.retrieval import Principal
 from ragstream.retrieval.reader import DocumentReader
@@ -37,8 +35,10 @@ from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import ApiKeys, Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents_read import DocumentReadStore
+from ragstream.storage.runs import RunStore
 from ragstream.v1 import retrieval_pb2, retrieval_pb2_grpc
 from tests.support.connections import fetcher_database, private_database
+from tests.support.runs import sync_runner
 from tests.test_scope_acl import connection, index
 
 pytestmark = pytest.mark.integration
@@ -75,15 +75,12 @@ def client_of(app: FastAPI) -> httpx.AsyncClient:
 @pytest.fixture
 async def embedded(runtime: Runtime) -> AsyncIterator[FastAPI]:
     """The HTTP API of ``ragstream up``, with keys."""
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=1800)
-    runner = SyncRunner(runs, runtime.pipeline, max_concurrent=1, progress_interval_s=1)
-    reindexer, rechunker = runtime.reindexer(), runtime.rechunker()
+    runs = RunStore(runtime.pool, runtime.dsn, stale_timeout_s=1800)
+    runner = sync_runner(runs, runtime.pipeline, max_concurrent=1, progress_interval_s=1)
     try:
-        yield api_app(runtime, runs, runner, reindexer, rechunker, access=ACCESS)
+        yield api_app(runtime, runs, runner, access=ACCESS)
     finally:
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,9 @@ import pytest
 
 from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
-from ragstream.api.reindex import reindex_router
+from ragstream.api.reindex import connection_reindex, reindex_router, spec_model_key
+from ragstream.control.kinds import reindex_kind
+from ragstream.control.runner import Runner
 from ragstream.credentials import CredentialCipher
 from ragstream.embedding.base import TextKind, Vectors
 from ragstream.embedding.spaces import ActiveSpace
@@ -29,9 +32,11 @@ from ragstream.settings import Settings
 from ragstream.stages.embed import EmbedService, embedding_input
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents import document_id
+from ragstream.storage.runs import RunStatus, RunStore
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
 from tests.support.connections import BoundFolder
 from tests.support.embedders import HashEmbedder, dashscope_spec, hash_vector, private_runtime, space_states
+from tests.support.runs import in_foreground, reindex_job
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -67,13 +72,17 @@ async def ready() -> bool:
     return True
 
 
-def api(runtime: Runtime, reindexer: Reindexer) -> httpx.AsyncClient:
-    """The connections and re-index routes as ``ragstream up`` wires them, on ``reindexer``."""
+@asynccontextmanager
+async def api(runtime: Runtime, reindexer: Reindexer) -> AsyncIterator[httpx.AsyncClient]:
+    """The connections and re-index routes as ``ragstream up`` wires them, with a runner of re-index
+    runs on ``reindexer``."""
 
     async def resolve(spec: dict[str, Any]) -> tuple[str, int]:
         embedder = await runtime.spaces.resolve(spec)
         return embedder.model_key, embedder.dimension
 
+    runs = RunStore(runtime.pool, runtime.dsn)
+    runner = Runner(runs, {"reindex": reindex_kind(reindexer)}, progress_interval_s=0.1)
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(Settings()))
     app = create_app(
         lambda: runtime.retriever,
@@ -81,13 +90,20 @@ def api(runtime: Runtime, reindexer: Reindexer) -> httpx.AsyncClient:
         routers=[
             connections_router(
                 connections,
-                on_embedding_changed=lambda connection_id, spec: reindexer.start(spec, connection_id),
+                on_embedding_changed=connection_reindex(runs, runtime.spaces, SpaceStore(runtime.pool), runner.wake),
                 resolve_embedding=resolve,
             ),
-            reindex_router(reindexer, SpaceStore(runtime.pool)),
+            reindex_router(runs, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), runner.wake),
         ],
     )
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    serving = asyncio.create_task(runner.serve())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            yield client
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await runs.aclose()
 
 
 def write(folder: Path, files: dict[str, str]) -> Path:
@@ -223,7 +239,7 @@ async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes
     runtime = runtime_db
     moving_folder = write(tmp_path / "moving", PINNED_DOCS)
     other_folder = write(tmp_path / "other", DEFAULT_DOCS)
-    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1, progress_interval_s=0.1)
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1)
     async with api(runtime, reindexer) as client:
         moving = await create(client, moving_folder)
         other = await create(client, other_folder)
@@ -240,7 +256,7 @@ async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes
         # An edit committed during the rebuild, with the model still in use (A).
         write(moving_folder, {"keys.md": "# Keys\n\nKeys of the aardvark vault never expire."})
         await sync(runtime, moving, moving_folder)
-        assert (await client.get(f"{path}/reindex")).json()["status"] == "running"
+        assert (await client.get(f"{path}/reindex")).json()["status"] in ("queued", "running")
         searched = {query: await search(runtime, query, moving) for query in QUERIES}
         assert all(response.embedding_spaces == [LOCAL_KEY] for response in searched.values())
         before = {query: answer(response) for query, response in searched.items()}
@@ -250,7 +266,7 @@ async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes
         async def finished() -> bool:
             body = (await client.get(f"{path}/reindex")).json()
             progress.append(body)
-            return bool(body["status"] != "running")
+            return body["status"] not in ("queued", "running")
 
         async def keep_searching(offset: int, scope: tuple[str, ...]) -> None:
             """Until a few searches after the switch; several loops at once."""
@@ -267,7 +283,7 @@ async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes
             keep_searching(0, (moving,)), keep_searching(1, (moving,)), keep_searching(2, (moving, other))
         )
         run = progress[-1]
-        assert run["status"] == "switched", run
+        assert run["status"] == "succeeded", run
         assert run["connection_id"] == moving and (run["source_key"], run["target_key"]) == (LOCAL_KEY, DASHSCOPE_KEY)
         assert run["chunks_embedded"] == run["chunks_total"] == len(PINNED_DOCS)
         assert any(body["rate"] and body["eta_seconds"] is not None for body in progress if body["status"] == "running")
@@ -290,7 +306,6 @@ async def test_changing_a_connections_model_reindexes_it_alone_while_search_goes
     assert edited.embedding_spaces == [DASHSCOPE_KEY]
     assert edited.results[0].text.endswith("never expire.") and edited.results[0].vector_rank == 1
     assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("idle", True)}
-    await reindexer.aclose()
 
 
 async def test_stale_vectors_of_a_switched_connection_are_refused_then_land_re_embedded(
@@ -377,10 +392,12 @@ async def test_a_deployment_wide_reindex_leaves_pinned_connections_and_their_tab
     assert all(len(found) == len(DEFAULT_DOCS) for found in kept.values())
     fake_dashscope.received.clear()
     target = HashEmbedder()
-    result = await Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2).run(target, {"provider": "local"})
-    assert result.status == "switched", result.error
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
+    job = reindex_job(reindexer, target, {"provider": "local"})
+    run = (await in_foreground(runtime.pool, runtime.dsn, "reindex", None, {"spec": {"provider": "local"}}, job)).run
+    assert run is not None and run.status is RunStatus.SUCCEEDED, run
     # Only the follower's chunks were re-embedded; the pinned ones kept their vectors and tables.
-    assert result.chunks_total == result.chunks_embedded == len(DEFAULT_DOCS)
+    assert run.progress["chunks_total"] == run.progress["chunks_embedded"] == len(DEFAULT_DOCS)
     assert len(target.texts) == len(DEFAULT_DOCS) and sent(fake_dashscope, "document") == []
     assert await vectors(runtime, DASHSCOPE_KEY, on_b) == kept[on_b]
     assert await vectors(runtime, LOCAL_KEY, on_a) == kept[on_a]
@@ -405,7 +422,7 @@ async def test_a_cancelled_change_resumes_and_null_goes_back_to_the_default_drop
 ) -> None:
     runtime = runtime_db
     folder = write(tmp_path / "docs", PINNED_DOCS)
-    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1, progress_interval_s=0.1)
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1)
     async with api(runtime, reindexer) as client:
         connection = await create(client, folder)
         await sync(runtime, connection, folder)
@@ -414,9 +431,9 @@ async def test_a_cancelled_change_resumes_and_null_goes_back_to_the_default_drop
         fake_dashscope.delay_s = 0.5
         patch = {"config": {"embedding": dashscope_spec(fake_dashscope)}}
         assert (await client.patch(path, json=patch)).status_code == 200
-        assert (await client.delete(f"{path}/reindex")).status_code == 204
-        interrupted = (await client.get(f"{path}/reindex")).json()
-        assert interrupted["status"] == "interrupted"
+        assert (await client.delete(f"{path}/reindex")).status_code == 202
+        cancelled = await settled(client, f"{path}/reindex")
+        assert (cancelled["status"], cancelled["error"]) == ("cancelled", "cancelled on request")
         assert (await client.delete(f"{path}/reindex")).status_code == 404  # nothing runs any more
         assert "embedding" not in (await client.get(path)).json()["config"]
         assert (await search(runtime, "rotate the keys", connection)).embedding_spaces == [LOCAL_KEY]
@@ -424,27 +441,26 @@ async def test_a_cancelled_change_resumes_and_null_goes_back_to_the_default_drop
         fake_dashscope.delay_s = 0.0
         assert (await client.patch(path, json=patch)).status_code == 200  # resumes
         body = await settled(client, f"{path}/reindex")
-        assert body["status"] == "switched" and body["chunks_embedded"] == len(PINNED_DOCS)
+        assert body["status"] == "succeeded" and body["chunks_embedded"] == len(PINNED_DOCS)
         assert (await search(runtime, "rotate the keys", connection)).embedding_spaces == [DASHSCOPE_KEY]
 
         # null: back to the default model, by the same mechanism; B's table serves nobody any more.
         assert (await client.patch(path, json={"config": {"embedding": None}})).status_code == 200
         body = await settled(client, f"{path}/reindex")
-        assert body["status"] == "switched", body
+        assert body["status"] == "succeeded", body
         assert (body["source_key"], body["target_key"]) == (DASHSCOPE_KEY, LOCAL_KEY)
         assert "embedding" not in (await client.get(path)).json()["config"]
     assert set(await vectors(runtime, LOCAL_KEY, connection)) == await chunk_ids(runtime, connection)
     assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
     response = await search(runtime, "rotate the keys", connection)
     assert response.embedding_spaces == [LOCAL_KEY] and response.results[0].vector_rank == 1
-    await reindexer.aclose()
 
 
 async def settled(client: httpx.AsyncClient, path: str) -> dict[str, Any]:
-    """The run at ``path`` once it stopped running."""
+    """The run at ``path`` once it is neither queued nor running."""
     for _ in range(300):
         body: dict[str, Any] = (await client.get(path)).json()
-        if body["status"] != "running":
+        if body["status"] not in ("queued", "running"):
             return body
         await asyncio.sleep(0.1)
     raise AssertionError(f"{path} still running")
@@ -465,4 +481,3 @@ async def test_deleting_the_last_connection_pinned_to_a_model_drops_its_table(
         assert set(await vectors(runtime, DASHSCOPE_KEY, second)) == await chunk_ids(runtime, second)
         assert (await client.delete(f"/v1/connections/{second}")).status_code == 204
     assert await space_states(runtime) == {LOCAL_KEY: ("active", True), DASHSCOPE_KEY: ("retired", False)}
-    await reindexer.aclose()

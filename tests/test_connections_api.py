@@ -231,7 +231,9 @@ async def test_delete_removes_every_row_the_connection_indexed(
         ids[0],
         b"{}",
     )
-    await pool.execute("INSERT INTO sync_runs (connection_id, trigger, status) VALUES ($1, 'api', 'ready')", cid)
+    await pool.execute(
+        "INSERT INTO runs (kind, connection_id, trigger, status) VALUES ('sync', $1, 'api', 'succeeded')", cid
+    )
     await pool.execute(
         "INSERT INTO document_failures (document_id, connection_id, source, version, step, code, message, retryable)"
         " VALUES ('never-committed', $1, 'x.md', 1, 'parse', 'bad', 'm', false)",
@@ -248,7 +250,7 @@ async def test_delete_removes_every_row_the_connection_indexed(
         "connections": ("id = $1", cid),
         "documents": ("connection_id = $1", cid),
         "document_failures": ("connection_id = $1", cid),
-        "sync_runs": ("connection_id = $1", cid),
+        "runs": ("connection_id = $1", cid),
         **{
             table: ("document_id = ANY($1::text[])", documents)
             for table in ("chunks", "staged_documents", "pending_batches", "conversation_citations")
@@ -263,7 +265,7 @@ async def test_delete_removes_every_row_the_connection_indexed(
         }
 
     before = await counts()
-    assert before["chunks"] > 0 and before["conversation_citations"] == 2 and before["sync_runs"] == 1
+    assert before["chunks"] > 0 and before["conversation_citations"] == 2 and before["runs"] == 1
     assert sum(before[space] for space in spaces) == len(chunk_ids) > 0
     assert before["staged_documents"] >= 3 and before["pending_batches"] == 1 and before["document_failures"] == 1
 

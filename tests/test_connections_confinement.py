@@ -136,9 +136,9 @@ async def test_vendor_urls_on_private_addresses_are_refused(
 ) -> None:
     refused = await create(client, "feishu", {"base_url": base_url}, credentials=SECRETS)
     assert refused.status_code == 422 and reason in refused.text, refused.text
-    embedding = {"embedding": {"provider": "openai", "base_url": base_url}}
+    embedding = {"embedding": {"provider": "openai", "base_url": base_url, "model": "m", "dimension": 8}}
     refused = await create(client, "feishu", embedding, credentials=SECRETS)
-    assert refused.status_code == 422 and "config.embedding.base_url" in refused.text, refused.text
+    assert refused.status_code == 422 and "base_url" in refused.text and reason in refused.text, refused.text
 
 
 async def test_a_private_base_url_is_refused_when_the_sync_sends_its_request(

@@ -16,7 +16,6 @@ from ragstream.connectors.base import DocumentUnreadable, DocumentVanished
 from ragstream.connectors.folder import FolderNotAllowed
 from ragstream.connectors.registry import NoConnector
 from ragstream.contextual import ContextUnavailable
-from ragstream.control.runs import RagDisabled, SyncInProgress
 from ragstream.core.errors import (
     ConfigurationError,
     Conflict,
@@ -37,6 +36,7 @@ from ragstream.retrieval.rerank import RerankError
 from ragstream.storage.database import DatabaseBusy, DatabaseUnavailable
 from ragstream.storage.documents import StaleChunkingError
 from ragstream.storage.rechunk import RechunkBusy
+from ragstream.storage.runs import RagDisabled, RunInProgress
 from ragstream.storage.spaces import ReindexBusy, RetiredSpaceError, UnknownConnection
 
 
@@ -46,7 +46,7 @@ from ragstream.storage.spaces import ReindexBusy, RetiredSpaceError, UnknownConn
         (OutboundRefused("private address"), InvalidInput, "invalid_input", False),
         (FolderNotAllowed("outside the roots"), InvalidInput, "invalid_input", False),
         (UnknownConnection("k1"), NotFound, "not_found", False),
-        (SyncInProgress(None), Conflict, "conflict", False),
+        (RunInProgress("sync", None), Conflict, "conflict", False),
         (RagDisabled("k1"), Conflict, "conflict", False),
         (ReindexBusy("busy"), Conflict, "conflict", False),
         (RechunkBusy("busy"), Conflict, "conflict", False),
@@ -133,7 +133,7 @@ async def _not_ready() -> bool:
     [
         (lambda: OutboundRefused("config.url: a private address"), 422, "config.url: a private address", None),
         (lambda: UnknownConnection("connection 'k1' not found"), 404, "connection 'k1' not found", None),
-        (lambda: SyncInProgress(None), 409, "Sync already in progress", None),
+        (lambda: RunInProgress("sync", None), 409, "Sync already in progress", None),
         (lambda: DatabaseBusy("canceling statement due to statement timeout"), 503, "the database is busy", "1"),
         (lambda: DatabaseUnavailable("postmaster.pid is stale"), 503, "the database is unavailable", "1"),
         (lambda: Overloaded("16 waiting", 3), 503, "too many searches at once", "3"),

@@ -59,8 +59,8 @@ async def test_a_run_failed_elsewhere_stops_the_fetchers_walk(
                 await asyncio.sleep(0.02)
             # Another replica fails the run (as stale); a replacement may now resume its walk.
             run_id = await pool.fetchval(
-                "UPDATE sync_runs SET status = 'failed', reason = 'stale: no progress for 1800 s',"
-                " finished_at = now() WHERE connection_id = $1 AND status = 'syncing' RETURNING id",
+                "UPDATE runs SET status = 'failed', error = 'stale: no progress for 1800 s',"
+                " finished_at = now() WHERE connection_id = $1 AND status = 'running' RETURNING id",
                 connection_id,
             )
             # The fetcher lets go of the run's owner lock once it has stopped the walk.

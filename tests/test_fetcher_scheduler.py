@@ -34,7 +34,10 @@ async def test_the_fetcher_queues_and_runs_a_due_connection(
             deadline = time.monotonic() + 60
             while (
                 run := await pool.fetchrow(
-                    "SELECT trigger, status, listed, changed, listing_done FROM sync_runs WHERE connection_id = $1",
+                    "SELECT trigger, status, (progress->>'listed')::int AS listed,"
+                    " (progress->>'changed')::int AS changed,"
+                    " coalesce((progress->>'listing_done')::boolean, false) AS listing_done FROM runs"
+                    " WHERE kind = 'sync' AND connection_id = $1",
                     connection_id,
                 )
             ) is None or not run["listing_done"]:
@@ -43,13 +46,13 @@ async def test_the_fetcher_queues_and_runs_a_due_connection(
             # Announced; no indexer runs here, so the run waits for the commit, syncing.
             assert dict(run) == {
                 "trigger": "schedule",
-                "status": "syncing",
+                "status": "running",
                 "listed": 1,
                 "changed": 1,
                 "listing_done": True,
             }
-        stopped = await pool.fetchrow("SELECT status, reason FROM sync_runs WHERE connection_id = $1", connection_id)
-        assert dict(stopped) == {"status": "failed", "reason": "cancelled: the process stopped"}
+        stopped = await pool.fetchrow("SELECT status, error FROM runs WHERE connection_id = $1", connection_id)
+        assert dict(stopped) == {"status": "failed", "error": "cancelled: the process stopped"}
 
 
 async def test_a_claimed_run_that_cannot_start_fails_and_frees_its_connection(
@@ -66,12 +69,10 @@ async def test_a_claimed_run_that_cannot_start_fails_and_frees_its_connection(
         async with app.router.lifespan_context(app):
             deadline = time.monotonic() + 60
             while (
-                run := await pool.fetchrow(
-                    "SELECT id, status, reason FROM sync_runs WHERE connection_id = $1", connection_id
-                )
+                run := await pool.fetchrow("SELECT id, status, error FROM runs WHERE connection_id = $1", connection_id)
             ) is None or run["status"] != "failed":
                 assert time.monotonic() < deadline, f"the run was not failed: {run}"
                 await asyncio.sleep(0.1)
-            assert run["reason"].startswith("NotADirectoryError:")
+            assert run["error"].startswith("NotADirectoryError:")
             # Its owner lock is released while the fetcher lives on: the next start is not refused.
             assert await owner_locks(pool, run["id"]) == 0

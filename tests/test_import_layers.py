@@ -27,9 +27,10 @@ LAYERS: tuple[grimp.Layer, ...] = (
     grimp.Layer("runtime"),
     grimp.Layer("knowledge"),
     grimp.Layer("pipeline"),
-    # The RUNS helper untangles these three; until then they import each other.
-    grimp.Layer("control", "jobs", "transport", independent=False),
+    grimp.Layer("control"),
     grimp.Layer("rechunk", "reindex"),
+    grimp.Layer("jobs"),
+    grimp.Layer("transport"),
     grimp.Layer("stages"),
     grimp.Layer("retrieval", "failures"),
     grimp.Layer("direct", "contextual", "chunking", "parsing_pool"),
@@ -40,16 +41,6 @@ LAYERS: tuple[grimp.Layer, ...] = (
     grimp.Layer("settings"),
     grimp.Layer("outbound", "metrics", "telemetry", "segmentation", "degradation", "faults", "local_kafka", "v1"),
     grimp.Layer("core"),
-)
-
-# Pairs of top-level parts that still import each other, each way. They belong to the RUNS helper's
-# area (control <-> jobs, transport <-> control) and are fixed there: delete the pairs, then this
-# constant, once that work is merged.
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        frozenset({"ragstream.control", "ragstream.jobs"}),
-        frozenset({"ragstream.control", "ragstream.transport"}),
-    }
 )
 
 
@@ -87,19 +78,9 @@ def test_no_two_parts_of_the_package_import_each_other(graph: grimp.ImportGraph)
     for first, second in itertools.combinations(_top_level(graph), 2):
         there = graph.find_shortest_chains(first, second, as_packages=True)
         back = graph.find_shortest_chains(second, first, as_packages=True)
-        if there and back and frozenset({first, second}) not in KNOWN_CYCLES:
+        if there and back:
             cycles[f"{first} <-> {second}"] = f"{_chain_text(there)} || {_chain_text(back)}"
     assert cycles == {}
-
-
-def test_known_cycles_still_exist(graph: grimp.ImportGraph) -> None:
-    """An allow-list entry whose cycle is gone would silently allow it to come back: delete it instead."""
-    gone = sorted(
-        " <-> ".join(sorted(pair))
-        for pair in KNOWN_CYCLES
-        if not all(graph.find_shortest_chains(a, b, as_packages=True) for a, b in itertools.permutations(pair))
-    )
-    assert gone == [], "no longer a cycle: delete these pairs from KNOWN_CYCLES"
 
 
 def test_every_part_of_the_package_has_a_layer(graph: grimp.ImportGraph) -> None:

@@ -14,8 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from ragstream.admission import SearchAdmission
 from ragstream.api.auth import Access
 from ragstream.connectors.folder import FolderConnector
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncRunStore
 from ragstream.embedded import api_app
 from ragstream.metrics import exposition
 from ragstream.retrieval import HybridRetriever, SearchRequest
@@ -23,6 +21,8 @@ from ragstream.runtime import Runtime
 from ragstream.service import create_service_app
 from ragstream.settings import Settings
 from ragstream.storage.database import DatabaseBusy
+from ragstream.storage.runs import RunStore
+from tests.support.runs import sync_runner
 from tests.test_grpc_api import BrokenRetriever, message_of, serving
 
 pytestmark = pytest.mark.integration
@@ -39,15 +39,12 @@ async def admission() -> SearchAdmission:
 @pytest.fixture
 async def embedded(runtime: Runtime, admission: SearchAdmission) -> AsyncIterator[FastAPI]:
     """The HTTP API of ``ragstream up``, open (no keys), with ``admission``."""
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=1800)
-    runner = SyncRunner(runs, runtime.pipeline, max_concurrent=1, progress_interval_s=1)
-    reindexer, rechunker = runtime.reindexer(), runtime.rechunker()
+    runs = RunStore(runtime.pool, runtime.dsn, stale_timeout_s=1800)
+    runner = sync_runner(runs, runtime.pipeline, max_concurrent=1, progress_interval_s=1)
     try:
-        yield api_app(runtime, runs, runner, reindexer, rechunker, access=Access.open(), admission=admission)
+        yield api_app(runtime, runs, runner, access=Access.open(), admission=admission)
     finally:
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
 
 
 def samples(text: str) -> Samples:

@@ -6,23 +6,27 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from ragstream.api.connections import connections_router
 from ragstream.api.http import create_app
-from ragstream.api.rechunk import rechunk_router
+from ragstream.api.rechunk import connection_rechunk, rechunk_router
 from ragstream.chunking import ChunkingConfig, MarkdownChunking, RecursiveChunking
 from ragstream.connectors.folder import FolderConnector
+from ragstream.control.kinds import rechunk_kind
+from ragstream.control.runner import CANCELLED_ON_REQUEST, PROCESS_STOPPED, Runner
 from ragstream.core.search import SearchFilters
 from ragstream.credentials import CredentialCipher
+from ragstream.jobs.progress import RunProgress
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, DocumentIndexed
 from ragstream.pipeline import EmbeddedPipeline
-from ragstream.rechunk import Rechunker, RechunkProgress
+from ragstream.rechunk import Rechunker
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime
 from ragstream.settings import Settings
@@ -30,7 +34,9 @@ from ragstream.stages.index import IndexService
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.documents import StaleChunkingError, document_id
 from ragstream.storage.rechunk import RebuiltChunks, RechunkDocument, RechunkStore
+from ragstream.storage.runs import Run, RunStatus, RunStore
 from ragstream.storage.spaces import SpaceStore
+from tests.support.runs import in_foreground
 
 pytestmark = pytest.mark.integration
 
@@ -75,10 +81,10 @@ async def corpus_connection(runtime: Runtime, tmp_path: Path) -> tuple[Path, str
 
 
 @pytest.fixture
-async def tasks() -> AsyncIterator[list[asyncio.Task[RechunkProgress]]]:
+async def tasks() -> AsyncIterator[list[asyncio.Task[Run]]]:
     """Runs a test starts in the background, cancelled if the test fails while they wait: a paused run
     would hold its pool connection and block the session's runtime from closing."""
-    started: list[asyncio.Task[RechunkProgress]] = []
+    started: list[asyncio.Task[Run]] = []
     yield started
     for task in started:
         task.cancel()
@@ -106,8 +112,32 @@ class PausingStore(RechunkStore):
         return await super().store(document, index_version, rebuilt)
 
 
-def rechunker(runtime: Runtime, store: RechunkStore, progress_interval_s: float = 2.0) -> Rechunker:
-    return Rechunker(store, runtime.chunker, runtime.spaces, batch_size=3, progress_interval_s=progress_interval_s)
+def rechunker(runtime: Runtime, store: RechunkStore) -> Rechunker:
+    return Rechunker(store, runtime.chunker, runtime.spaces, batch_size=3)
+
+
+async def rechunk(
+    runtime: Runtime,
+    store: RechunkStore,
+    connection_id: str,
+    config: ChunkingConfig,
+    *,
+    progress_interval_s: float = 2.0,
+    observe: Callable[[RunProgress], None] | None = None,
+) -> Run:
+    """A re-chunk run to its end, as ``ragstream rechunk`` runs one: its final row."""
+    outcome = await in_foreground(
+        runtime.pool,
+        runtime.dsn,
+        "rechunk",
+        connection_id,
+        {"chunking": config.model_dump(mode="json")},
+        rechunk_kind(rechunker(runtime, store)),
+        progress_interval_s=progress_interval_s,
+        observe=observe,
+    )
+    assert outcome.run is not None
+    return outcome.run
 
 
 async def search_ids(runtime: Runtime, connection_id: str, query: str) -> list[str]:
@@ -164,7 +194,7 @@ async def assert_one_clean_version(runtime: Runtime, connection_id: str, files: 
 
 
 async def test_searches_during_a_rechunk_never_fail_nor_mix_old_and_new_chunks(
-    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[RechunkProgress]]
+    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[Run]]
 ) -> None:
     folder, connection = corpus_connection
     files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
@@ -172,8 +202,8 @@ async def test_searches_during_a_rechunk_never_fail_nor_mix_old_and_new_chunks(
     assert len(old_ids) == len(TOPICS)  # one Markdown chunk per document
     before = {query: await search_ids(runtime, connection, query) for query in QUERIES}
     store = PausingStore(runtime, delay_s=0.1)
-    progress: list[RechunkProgress] = []
-    task = asyncio.create_task(rechunker(runtime, store).run(connection, NEW, progress.append))
+    progress: list[RunProgress] = []
+    task = asyncio.create_task(rechunk(runtime, store, connection, NEW, observe=progress.append))
     tasks.append(task)
     seen: list[tuple[str, list[str]]] = []
 
@@ -186,7 +216,7 @@ async def test_searches_during_a_rechunk_never_fail_nor_mix_old_and_new_chunks(
 
     await asyncio.gather(*(keep_searching(offset) for offset in range(3)))
     result = await task
-    assert result.status == "switched", result.error
+    assert result.status is RunStatus.SUCCEEDED, result.error
     new_ids = await connection_ids(runtime, connection)
     assert not new_ids & old_ids and len(new_ids) > len(old_ids)
     old_searches = [query for query, ids in seen if set(ids) <= old_ids]
@@ -199,11 +229,9 @@ async def test_searches_during_a_rechunk_never_fail_nor_mix_old_and_new_chunks(
     stored = await runtime.pool.fetchval("SELECT config -> 'chunking' FROM connections WHERE id = $1", connection)
     assert stored is not None and RecursiveChunking.model_validate_json(stored) == NEW
     assert len(store.stored) == len(TOPICS)  # each document rebuilt once
-    assert result.documents_done == result.documents_total == len(TOPICS)
-    assert result.chunks == len(new_ids) and progress[-1].status == "switched"
-    run = await RechunkStore(runtime.pool).latest_run(connection)
-    assert run is not None and run.status == "switched" and run.documents_done == len(TOPICS)
-    assert run.chunks == len(new_ids) and run.eta_seconds == 0 and run.finished_at is not None
+    assert result.progress["documents_done"] == result.progress["documents_total"] == len(TOPICS)
+    assert result.progress["chunks"] == len(new_ids) and progress[-1].done == len(TOPICS)
+    assert result.progress["eta_seconds"] is None and result.finished_at is not None
     # Ingest from now on chunks with the new config, at the new version.
     write(folder, {"install.md": document("install", TOPICS[0][1], extra="Also supports FreeBSD jails.")})
     await sync(runtime, folder)
@@ -212,11 +240,11 @@ async def test_searches_during_a_rechunk_never_fail_nor_mix_old_and_new_chunks(
 
 
 async def test_documents_edited_during_a_rechunk_are_right_after_the_switch(
-    runtime: Runtime, corpus_connection: tuple[Path, str], tmp_path: Path, tasks: list[asyncio.Task[RechunkProgress]]
+    runtime: Runtime, corpus_connection: tuple[Path, str], tmp_path: Path, tasks: list[asyncio.Task[Run]]
 ) -> None:
     folder, connection = corpus_connection
     store = PausingStore(runtime, pause_at=3)  # two documents rebuilt, the third held
-    task = asyncio.create_task(rechunker(runtime, store).run(connection, NEW))
+    task = asyncio.create_task(rechunk(runtime, store, connection, NEW))
     tasks.append(task)
     await store.paused.wait()
     order = sorted((document_id(connection, f"{topic}.md"), f"{topic}.md") for topic, _ in TOPICS)
@@ -239,7 +267,7 @@ async def test_documents_edited_during_a_rechunk_are_right_after_the_switch(
     assert len(await search_ids(runtime, connection, "aardvark vaults")) > 0
     store.resume.set()
     result = await task
-    assert result.status == "switched", result.error
+    assert result.status is RunStatus.SUCCEEDED, result.error
     files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
     for query, name in [("aardvark vaults", rebuilt), ("quokka habitats", held), ("narwhal tusks", "added.md")]:
@@ -270,14 +298,15 @@ class SwitchingIndexer(IndexService):
 
     def __init__(self, runtime: Runtime, connection_id: str) -> None:
         super().__init__(runtime.store)
-        self._rechunk: Rechunker | None = rechunker(runtime, RechunkStore(runtime.pool))
+        self._runtime = runtime
         self._connection_id = connection_id
-        self.results: list[RechunkProgress] = []
+        self.results: list[Run] = []
 
     async def run(self, message: ChunksEmbedded) -> DocumentIndexed | None:
-        if self._rechunk is not None:
-            rechunk, self._rechunk = self._rechunk, None
-            self.results.append(await rechunk.run(self._connection_id, NEW))
+        if not self.results:
+            self.results.append(
+                await rechunk(self._runtime, RechunkStore(self._runtime.pool), self._connection_id, NEW)
+            )
         return await super().run(message)
 
 
@@ -292,57 +321,60 @@ async def test_a_document_chunked_before_the_switch_and_committed_after_is_chunk
     write(folder, {"late.md": document("late", "Pangolin scales arrive while the re-chunk switches.")})
     report = await pipeline.sync(FolderConnector(folder))
     assert report.ok, report.failures
-    assert report.progress.indexed == 1 and [result.status for result in indexer.results] == ["switched"]
+    assert report.progress.indexed == 1 and [result.status for result in indexer.results] == [RunStatus.SUCCEEDED]
     files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
 
 
 async def test_a_cancelled_rechunk_keeps_the_old_chunks_and_resumes(
-    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[RechunkProgress]]
+    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[Run]]
 ) -> None:
     folder, connection = corpus_connection
     old_ids = await connection_ids(runtime, connection)
     before = await search_ids(runtime, connection, QUERIES[0])
     first = PausingStore(runtime, pause_at=5)  # four documents stored, the fifth held: then cancelled
-    task = asyncio.create_task(rechunker(runtime, first, progress_interval_s=0.1).run(connection, NEW))
+    task = asyncio.create_task(rechunk(runtime, first, connection, NEW, progress_interval_s=0.1))
     tasks.append(task)
     await first.paused.wait()
     await asyncio.sleep(0.3)  # stuck, yet progress is written
-    running = await RechunkStore(runtime.pool).latest_run(connection)
-    assert running is not None and running.status == "running"
-    assert (running.documents_total, running.documents_done) == (len(TOPICS), 4) and running.chunks > 4
-    assert running.rate and running.eta_seconds and (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    run = await RechunkStore(runtime.pool).latest_run(connection)
-    assert run is not None and run.status == "interrupted" and run.documents_done == 4
+    other = RunStore(runtime.pool, runtime.dsn)  # another replica's: it never owned the run
+    running = await other.latest(connection, kind="rechunk")
+    assert running is not None and running.status is RunStatus.RUNNING and running.heartbeat_at is not None
+    counts = running.progress
+    assert (counts["documents_total"], counts["documents_done"]) == (len(TOPICS), 4) and counts["chunks"] > 4
+    assert counts["rate"] and counts["eta_seconds"] and (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
+    await other.request_cancel(running.id)
+    await other.aclose()
+    run = await task
+    assert (run.status, run.error, run.progress["documents_done"]) == (RunStatus.CANCELLED, CANCELLED_ON_REQUEST, 4)
     assert await search_ids(runtime, connection, QUERIES[0]) == before
     assert (await connection_ids(runtime, connection)) > old_ids  # the new version's first documents wait
 
     second = PausingStore(runtime)
-    result = await rechunker(runtime, second).run(connection, NEW)
-    assert result.status == "switched" and result.index_version == run.index_version
+    result = await rechunk(runtime, second, connection, NEW)
+    assert result.status is RunStatus.SUCCEEDED and result.params["index_version"] == run.params["index_version"]
     assert len(second.stored) == len(TOPICS) - 4 and not set(second.stored) & set(first.stored[:4])
-    assert result.documents_done == len(TOPICS)
+    assert result.progress["documents_done"] == len(TOPICS)
     files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
 
 
 async def test_a_rechunk_with_another_config_drops_the_abandoned_version(
-    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[RechunkProgress]]
+    runtime: Runtime, corpus_connection: tuple[Path, str], tasks: list[asyncio.Task[Run]]
 ) -> None:
     folder, connection = corpus_connection
     first = PausingStore(runtime, pause_at=3)
-    task = asyncio.create_task(rechunker(runtime, first).run(connection, RecursiveChunking(size=400, overlap=0)))
+    task = asyncio.create_task(rechunk(runtime, first, connection, RecursiveChunking(size=400, overlap=0)))
     tasks.append(task)
     await first.paused.wait()
-    task.cancel()
+    task.cancel()  # the process stops
     await asyncio.gather(task, return_exceptions=True)
-    abandoned = (await RechunkStore(runtime.pool).latest_run(connection)).index_version  # type: ignore[union-attr]
+    abandoned = await RunStore(runtime.pool, runtime.dsn).latest(connection, kind="rechunk")
+    assert abandoned is not None and (abandoned.status, abandoned.error) == (RunStatus.FAILED, PROCESS_STOPPED)
     second = PausingStore(runtime)
-    result = await rechunker(runtime, second).run(connection, NEW)
-    assert result.status == "switched" and result.index_version == abandoned + 1
+    result = await rechunk(runtime, second, connection, NEW)
+    assert result.status is RunStatus.SUCCEEDED
+    assert result.params["index_version"] == abandoned.params["index_version"] + 1
     assert len(second.stored) == len(TOPICS)
     files = {path.name: path.read_text(encoding="utf-8") for path in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
@@ -358,9 +390,9 @@ async def test_a_document_without_staged_content_fails_the_run_and_keeps_the_old
         " AND d.id = $1",
         document_id(connection, "keys.md"),
     )
-    result = await rechunker(runtime, RechunkStore(runtime.pool)).run(connection, NEW)
-    assert result.status == "failed" and result.error is not None and "keys" in result.error
-    assert "no longer staged" in result.error and result.documents_failed == 1
+    result = await rechunk(runtime, RechunkStore(runtime.pool), connection, NEW)
+    assert result.status is RunStatus.FAILED and result.error is not None and "keys" in result.error
+    assert "no longer staged" in result.error and result.progress["documents_failed"] == 1
     assert await search_ids(runtime, connection, QUERIES[0]) == before
     assert await runtime.pool.fetchval("SELECT index_version FROM connections WHERE id = $1", connection) == 0
 
@@ -370,7 +402,8 @@ async def test_patching_the_chunking_config_rechunks_in_the_background(
 ) -> None:
     folder, connection = corpus_connection
     store = PausingStore(runtime, delay_s=0.2)
-    background = rechunker(runtime, store, progress_interval_s=0.1)
+    runs = RunStore(runtime.pool, runtime.dsn)
+    runner = Runner(runs, {"rechunk": rechunk_kind(rechunker(runtime, store))}, progress_interval_s=0.1)
     connections = ConnectionStore(runtime.pool, CredentialCipher.from_settings(Settings()))
 
     async def ready() -> bool:
@@ -380,28 +413,34 @@ async def test_patching_the_chunking_config_rechunks_in_the_background(
         lambda: runtime.retriever,
         ready=ready,
         routers=[
-            connections_router(connections, on_chunking_changed=background.start),
-            rechunk_router(background, RechunkStore(runtime.pool)),
+            connections_router(connections, on_chunking_changed=connection_rechunk(runs, runner.wake)),
+            rechunk_router(runs, runner.wake),
         ],
     )
     path = f"/v1/connections/{connection}"
+    serving = asyncio.create_task(runner.serve())
+
+    async def settled() -> dict[str, Any]:
+        for _ in range(200):  # a deadline for a loaded machine, not a speed requirement
+            body: dict[str, Any] = (await client.get(f"{path}/rechunk")).json()
+            if body["status"] not in ("queued", "running"):
+                return body
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{path}/rechunk still active")
+
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         assert (await client.get(f"{path}/rechunk")).status_code == 404
         patched = await client.patch(path, json={"config": {"chunking": NEW.model_dump()}, "name": "renamed"})
         assert patched.status_code == 200, patched.text
         assert patched.json()["name"] == "renamed" and "chunking" not in patched.json()["config"]
         running = (await client.get(f"{path}/rechunk")).json()
-        assert running["status"] == "running" and running["documents_total"] == len(TOPICS)
+        assert running["status"] in ("queued", "running")
         again = await client.patch(path, json={"config": {"chunking": NEW.model_dump()}})
         assert again.status_code == 409
         busy = await client.post(f"{path}/rechunk", json={"chunking": NEW.model_dump()})
         assert busy.status_code == 409
-        for _ in range(200):
-            body = (await client.get(f"{path}/rechunk")).json()
-            if body["status"] != "running":
-                break
-            await asyncio.sleep(0.1)
-        assert body["status"] == "switched" and body["documents_done"] == body["documents_total"] == len(TOPICS)
+        body = await settled()
+        assert body["status"] == "succeeded" and body["documents_done"] == body["documents_total"] == len(TOPICS)
         assert body["chunks"] > len(TOPICS) and body["rate"] > 0
         shown = (await client.get(path)).json()
         assert shown["config"]["chunking"] == NEW.model_dump(mode="json")
@@ -411,13 +450,18 @@ async def test_patching_the_chunking_config_rechunks_in_the_background(
         markdown = MarkdownChunking().model_dump()
         store.pause_at = len(store.stored) + 1  # the run holds its first document until cancelled
         started = await client.post(f"{path}/rechunk", json={"chunking": markdown})
-        assert started.status_code == 202 and started.json()["index_version"] == body["index_version"] + 1
+        assert started.status_code == 202 and started.json()["status"] == "queued"
         await asyncio.wait_for(store.paused.wait(), 60)
-        assert (await client.delete(f"{path}/rechunk")).status_code == 204
-        assert (await client.get(f"{path}/rechunk")).json()["status"] == "interrupted"
+        building = (await client.get(f"{path}/rechunk")).json()
+        assert building["index_version"] == body["index_version"] + 1
+        assert (await client.delete(f"{path}/rechunk")).status_code == 202
+        cancelled = await settled()
+        assert (cancelled["status"], cancelled["error"]) == ("cancelled", "cancelled on request")
         assert (await client.delete(f"{path}/rechunk")).status_code == 404
         assert (await client.post("/v1/connections/nope/rechunk", json={"chunking": markdown})).status_code == 404
-    await background.aclose()
+    serving.cancel()
+    await asyncio.gather(serving, return_exceptions=True)
+    await runs.aclose()
     files = {file.name: file.read_text(encoding="utf-8") for file in folder.iterdir()}
     await assert_one_clean_version(runtime, connection, files)
 

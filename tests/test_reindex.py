@@ -7,30 +7,36 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 import pytest
 
 from ragstream.api.http import create_app
-from ragstream.api.reindex import reindex_router
+from ragstream.api.reindex import reindex_router, spec_model_key
+from ragstream.api.runs import runs_router
 from ragstream.connectors.folder import FolderConnector
+from ragstream.control.kinds import reindex_kind
+from ragstream.control.runner import CANCELLED_ON_REQUEST, Job, Runner, RunOutcome
 from ragstream.embedding.spaces import ActiveSpace
+from ragstream.jobs.progress import RunProgress
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentHeader, pack_vectors
-from ragstream.reindex import Reindexer, ReindexProgress
+from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, SearchRequest, SearchResponse
 from ragstream.runtime import Runtime
 from ragstream.stages.embed import embedding_input
 from ragstream.stages.index import MixedEmbeddingModelsError
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.documents import document_id
+from ragstream.storage.runs import RunStatus, RunStore
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import RetiredSpaceError, SpaceStore
 from tests.support.embedders import HashEmbedder, dashscope_spec, hash_vector, private_runtime, space_states
+from tests.support.runs import in_foreground, reindex_job
 
 if TYPE_CHECKING:
     from tests.support.fake_dashscope import FakeDashScope
@@ -41,6 +47,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_networks
 pytest_plugins = ["tests.support.fake_dashscope"]
 
 LOCAL_KEY = "use-multilingual-v3-512"
+LOCAL: dict[str, Any] = {"provider": "local"}
 QUERIES = ["install the server on linux", "rotate the api keys", "backup and restore the database"]
 TOPICS = {
     "install.md": "# Install\n\nDownload the package and run the installer on Linux or macOS.",
@@ -57,6 +64,27 @@ async def runtime_db(database_url: str, fake_dashscope: FakeDashScope) -> AsyncI
     """A runtime (local model active) on a database of its own: a switch must not reach other tests."""
     async with private_runtime(database_url, fake_dashscope) as runtime:
         yield runtime
+
+
+async def reindex(
+    runtime: Runtime,
+    job: Job,
+    spec: dict[str, Any],
+    *,
+    progress_interval_s: float = 2.0,
+    observe: Callable[[RunProgress], None] | None = None,
+) -> RunOutcome:
+    """A deployment-wide re-index run to its end, as ``ragstream reindex`` runs one."""
+    return await in_foreground(
+        runtime.pool,
+        runtime.dsn,
+        "reindex",
+        None,
+        {"spec": spec},
+        job,
+        progress_interval_s=progress_interval_s,
+        observe=observe,
+    )
 
 
 def write(folder: Path, files: dict[str, str]) -> None:
@@ -108,9 +136,10 @@ async def test_searches_during_a_reindex_never_fail_nor_mix_models(
     assert (await elsewhere.search(SearchRequest(query=QUERIES[0], top_k=5))).embedding_space == LOCAL_KEY
     target = runtime.spaces.build(dashscope_spec(fake_dashscope))
     fake_dashscope.delay_s = 0.2  # a re-index that takes a while: searches run all through it
-    progress: list[ReindexProgress] = []
+    progress: list[RunProgress] = []
     reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
-    task = asyncio.create_task(reindexer.run(target, dashscope_spec(fake_dashscope), progress.append))
+    spec = dashscope_spec(fake_dashscope)
+    task = asyncio.create_task(reindex(runtime, reindex_job(reindexer, target, spec), spec, observe=progress.append))
     seen: list[tuple[str, str | None, list[tuple[str, int | None]]]] = []
 
     async def keep_searching(offset: int) -> None:
@@ -123,8 +152,8 @@ async def test_searches_during_a_reindex_never_fail_nor_mix_models(
             after_switch += task.done()
 
     await asyncio.gather(*(keep_searching(offset) for offset in range(3)))
-    result = await task
-    assert result.status == "switched", result.error
+    run = (await task).run
+    assert run is not None and run.status is RunStatus.SUCCEEDED, run
     new_key = target.model_key
     after = {query: answer(await search(runtime, query)) for query in QUERIES}
     assert after != before  # the vector leg's neighbours differ between the models
@@ -147,10 +176,10 @@ async def test_searches_during_a_reindex_never_fail_nor_mix_models(
     stored = await runtime.pool.fetchval(f"SELECT embedding FROM {table} WHERE chunk_id = $1", row["id"])
     expected = fake_dashscope.expected_vectors([embedding_input(row["title"], row["heading"], row["text"])], 256)[0]
     assert np.allclose(stored.to_numpy(), expected, atol=1e-5)
-    run = await SpaceStore(runtime.pool).latest_run()
-    assert run is not None and run.status == "switched" and run.source_key == LOCAL_KEY
-    assert run.chunks_embedded == run.chunks_total == len(TOPICS)
-    assert progress[-1].chunks_embedded == len(TOPICS) and len(progress) > 2
+    assert run.params["source_key"] == LOCAL_KEY and run.params["target_key"] == new_key
+    assert run.progress["chunks_embedded"] == run.progress["chunks_total"] == len(TOPICS)
+    assert run.progress["done"] == run.progress["total"] == len(TOPICS)
+    assert progress[-1].done == len(TOPICS) and len(progress) > 2
 
 
 async def test_documents_ingested_during_a_reindex_are_searchable_after_the_switch(
@@ -161,7 +190,7 @@ async def test_documents_ingested_during_a_reindex_are_searchable_after_the_swit
     target = HashEmbedder()
     target.pause_on_call = 2  # after the first batch of the backfill
     reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
-    task = asyncio.create_task(reindexer.run(target, {"provider": "local"}))
+    task = asyncio.create_task(reindex(runtime, reindex_job(reindexer, target, LOCAL), LOCAL))
     await target.paused.wait()
     late = {"late.md": "# Zephyr\n\nThe zephyr dashboard shows quarterly widget sales."}
     await ingest(runtime, tmp_path / "late", late)  # committed with the active (local) model
@@ -169,7 +198,8 @@ async def test_documents_ingested_during_a_reindex_are_searchable_after_the_swit
     await ingest(runtime, tmp_path / "docs", {"keys.md": "# Keys\n\nKeys of the aardvark vault never expire."})
     assert (await search(runtime, "zephyr widget sales")).embedding_space == LOCAL_KEY
     target.resume.set()
-    assert (await task).status == "switched"
+    switched = (await task).run
+    assert switched is not None and switched.status is RunStatus.SUCCEEDED
     response = await search(runtime, "zephyr widget sales dashboard")
     assert response.embedding_space == target.model_key
     assert response.results[0].source == "late.md" and response.results[0].vector_rank == 1
@@ -198,26 +228,27 @@ async def test_an_interrupted_reindex_resumes_without_embedding_done_chunks_agai
     await ingest(runtime, tmp_path / "docs", TOPICS)
     first = HashEmbedder()
     first.pause_on_call = 3  # two batches stored, the third held: then cancelled
-    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2, progress_interval_s=0.1)
-    task = asyncio.create_task(reindexer.run(first, {"provider": "local"}))
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
+    task = asyncio.create_task(reindex(runtime, reindex_job(reindexer, first, LOCAL), LOCAL, progress_interval_s=0.1))
     await first.paused.wait()
     await asyncio.sleep(0.3)  # the embedder is stuck, yet progress is written
-    running = await SpaceStore(runtime.pool).latest_run()
-    assert running is not None and running.status == "running"
-    assert (running.chunks_total, running.chunks_embedded) == (len(TOPICS), 4)
-    assert running.rate and running.eta_seconds and (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    store = SpaceStore(runtime.pool)
-    run = await store.latest_run()
-    assert run is not None and run.status == "interrupted" and run.chunks_embedded == 4
+    other = RunStore(runtime.pool, runtime.dsn)  # another replica's: it never owned the run
+    running = await other.latest(None, kind="reindex")
+    assert running is not None and running.status is RunStatus.RUNNING and running.heartbeat_at is not None
+    assert (running.progress["chunks_total"], running.progress["chunks_embedded"]) == (len(TOPICS), 4)
+    assert running.progress["rate"] and running.progress["eta_seconds"]
+    assert (datetime.now(UTC) - running.heartbeat_at).total_seconds() < 1
+    await other.request_cancel(running.id)
+    run = (await task).run
+    await other.aclose()
+    assert run is not None and (run.status, run.error) == (RunStatus.CANCELLED, CANCELLED_ON_REQUEST)
+    assert run.progress["chunks_embedded"] == 4
     assert (await search(runtime, QUERIES[0])).embedding_space == LOCAL_KEY
     assert (await space_states(runtime))[first.model_key] == ("building", True)
 
     second = HashEmbedder()
-    result = await reindexer.run(second, {"provider": "local"})
-    assert result.status == "switched"
+    result = (await reindex(runtime, reindex_job(reindexer, second, LOCAL), LOCAL)).run
+    assert result is not None and result.status is RunStatus.SUCCEEDED
     assert len(second.texts) == len(TOPICS) - 4  # only what the first run had not stored
     assert not set(first.texts[:4]) & set(second.texts)
     assert (await search(runtime, QUERIES[0])).embedding_space == second.model_key
@@ -229,10 +260,8 @@ async def test_a_failing_target_leaves_the_old_space_active_and_searchable(runti
     before = answer(await search(runtime, QUERIES[0]))
     target = HashEmbedder(fail_on_call=2)
     reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=2)
-    result = await reindexer.run(target, {"provider": "local"})
-    assert result.status == "failed" and result.error is not None and "rejects" in result.error
-    run = await SpaceStore(runtime.pool).latest_run()
-    assert run is not None and run.status == "failed" and run.error == result.error
+    run = (await reindex(runtime, reindex_job(reindexer, target, LOCAL), LOCAL)).run
+    assert run is not None and run.status is RunStatus.FAILED and run.error is not None and "rejects" in run.error
     assert (await space_states(runtime))[LOCAL_KEY] == ("active", True)
     response = await search(runtime, QUERIES[0])
     assert response.embedding_space == LOCAL_KEY and answer(response) == before
@@ -243,14 +272,15 @@ async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
 ) -> None:
     runtime = runtime_db
     await ingest(runtime, tmp_path / "docs", TOPICS)
-    reindexer = runtime.reindexer()
 
     async def ready() -> bool:
         return True
 
-    app = create_app(
-        lambda: runtime.retriever, ready=ready, routers=[reindex_router(reindexer, SpaceStore(runtime.pool))]
-    )
+    runs = RunStore(runtime.pool, runtime.dsn)
+    runner = Runner(runs, {"reindex": reindex_kind(runtime.reindexer())}, progress_interval_s=0.2)
+    router = reindex_router(runs, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), runner.wake)
+    app = create_app(lambda: runtime.retriever, ready=ready, routers=[router])
+    serving = asyncio.create_task(runner.serve())
     fake_dashscope.delay_s = 0.5  # still running when the second POST comes
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         assert (await client.get("/v1/reindex")).status_code == 404
@@ -259,20 +289,25 @@ async def test_the_http_api_starts_a_reindex_and_shows_its_progress(
         assert (await client.get("/v1/reindex")).status_code == 404  # refused before a run was recorded
         started = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
         assert started.status_code == 202, started.text
-        assert started.json()["status"] == "running" and started.json()["source_key"] == LOCAL_KEY
+        assert (
+            started.json()["status"] == "queued" and started.json()["target_key"] == "dashscope-text-embedding-v3-256"
+        )
         assert (await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))).status_code == 409
         for _ in range(600):  # a deadline for a loaded machine, not a speed requirement
             body = (await client.get("/v1/reindex")).json()
-            if body["status"] != "running":
+            if body["status"] not in ("queued", "running"):
                 break
             await asyncio.sleep(0.1)
-        assert body["status"] == "switched" and body["chunks_embedded"] == body["chunks_total"] == len(TOPICS)
+        assert body["status"] == "succeeded" and body["chunks_embedded"] == body["chunks_total"] == len(TOPICS)
+        assert body["source_key"] == LOCAL_KEY
         assert body["target_key"] == "dashscope-text-embedding-v3-256"
         again = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
         assert again.status_code == 422 and "already the active" in again.text
         found = await client.post("/v1/search", json={"query": QUERIES[0]})
         assert found.json()["embedding_space"] == "dashscope-text-embedding-v3-256"
-    await reindexer.aclose()
+    serving.cancel()
+    await asyncio.gather(serving, return_exceptions=True)
+    await runs.aclose()
 
 
 async def test_the_command_shows_progress_and_switches(
@@ -326,3 +361,62 @@ async def test_a_document_whose_batches_came_from_two_models_is_refused_then_rep
         await runtime.indexer.run(batch(1, runtime.embedder.model_key))
     # The replay embeds every batch again with the active model: the parked old batch is replaced.
     assert await runtime.indexer.run(batch(0, runtime.embedder.model_key)) is not None
+
+
+async def test_a_reindex_run_by_one_replica_is_cancelled_through_another(
+    runtime_db: Runtime, fake_dashscope: FakeDashScope, tmp_path: Path
+) -> None:
+    """Replica A serves the API and runs nothing; replica B's runner claims the re-index. The cancel
+    asked through A reaches B at its next heartbeat: the run ends cancelled, the old space stays."""
+    runtime = runtime_db
+    await ingest(runtime, tmp_path / "docs", TOPICS)
+    before = answer(await search(runtime, QUERIES[0]))
+
+    async def ready() -> bool:
+        return True
+
+    runs_a, runs_b = RunStore(runtime.pool, runtime.dsn), RunStore(runtime.pool, runtime.dsn)
+    app_a = create_app(
+        lambda: runtime.retriever,
+        ready=ready,
+        routers=[
+            reindex_router(runs_a, SpaceStore(runtime.pool), spec_model_key(runtime.spaces), lambda: None),
+            runs_router(runs_a),
+        ],
+    )
+    reindexer = Reindexer(SpaceStore(runtime.pool), runtime.spaces, batch_size=1)
+    runner_b = Runner(runs_b, {"reindex": reindex_kind(reindexer)}, progress_interval_s=0.1, poll_interval_s=0.1)
+    fake_dashscope.delay_s = 0.5  # one chunk per call: the run lasts seconds
+    serving = asyncio.create_task(runner_b.serve())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_a), base_url="http://a") as client:
+            started = await client.post("/v1/reindex", json=dashscope_spec(fake_dashscope))
+            assert started.status_code == 202, started.text
+            run_id = started.json()["id"]
+            for _ in range(600):  # a deadline for a loaded machine, not a speed requirement
+                running = (await client.get(f"/v1/runs/{run_id}")).json()
+                if running["progress"].get("chunks_embedded"):
+                    break
+                await asyncio.sleep(0.05)
+            assert running["status"] == "running" and running["owner"] is not None
+            assert (running["kind"], running["params"]["target_key"]) == ("reindex", "dashscope-text-embedding-v3-256")
+            asked = await client.delete(f"/v1/runs/{run_id}")
+            assert asked.status_code == 202 and asked.json()["cancel_requested"] is True
+            for _ in range(600):
+                ended = (await client.get("/v1/reindex")).json()
+                if ended["status"] not in ("queued", "running"):
+                    break
+                await asyncio.sleep(0.05)
+            assert (ended["id"], ended["status"], ended["error"]) == (run_id, "cancelled", CANCELLED_ON_REQUEST)
+            assert 0 < ended["chunks_embedded"] < len(TOPICS)
+            listed = (await client.get("/v1/runs", params={"kind": "reindex"})).json()
+            assert [run["id"] for run in listed] == [run_id]
+            assert (await client.delete("/v1/reindex")).status_code == 404  # nothing active any more
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await runs_a.aclose()
+        await runs_b.aclose()
+    assert (await space_states(runtime))[LOCAL_KEY] == ("active", True)
+    response = await search(runtime, QUERIES[0])
+    assert response.embedding_space == LOCAL_KEY and answer(response) == before

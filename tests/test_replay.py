@@ -1,4 +1,4 @@
-"""Replay in the embedded runner: failed documents are re-driven from their staged content."""
+"""Replay in the embedded runner: failed documents are re-driven from their staged content, as a run."""
 
 from __future__ import annotations
 
@@ -6,14 +6,21 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
+from ragstream.api.http import create_app
+from ragstream.api.replays import replay_router
+from ragstream.api.runs import runs_router
 from ragstream.connectors.folder import FolderConnector
+from ragstream.control.kinds import FAILURES, pipeline_replay_kind
+from ragstream.control.runner import Runner
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
 from ragstream.failures import StageRetry
 from ragstream.pipeline import EmbeddedPipeline
 from ragstream.runtime import Runtime
 from ragstream.stages.embed import EmbedService
+from ragstream.storage.runs import RunStore
 from tests.test_cli import run
 
 pytestmark = pytest.mark.integration
@@ -127,3 +134,46 @@ def test_replay_command_reports_and_exits_by_outcome(database_url: str, tmp_path
     assert "replayed 1 (0 indexed, 1 failed again)" in result.stderr
     assert "empty.md" in result.stderr
     assert run(["replay", "--dead-letter"], env).returncode == 2
+
+
+async def test_a_replay_over_the_api_is_a_run_with_its_counts(runtime: Runtime, tmp_path: Path) -> None:
+    write_corpus(tmp_path)
+    embedder = OutageEmbedder(runtime)
+    pipeline = pipeline_with(runtime, embedder)
+    connection = FolderConnector(tmp_path).connection_id
+    assert len((await pipeline.sync(FolderConnector(tmp_path))).failures) == 3
+    embedder.down = False
+    runs = RunStore(runtime.pool, runtime.dsn)
+    runner = Runner(runs, {"replay": pipeline_replay_kind(lambda: pipeline)})
+
+    async def ready() -> bool:
+        return True
+
+    app = create_app(
+        lambda: runtime.retriever, ready=ready, routers=[replay_router(runs, runner, [FAILURES]), runs_router(runs)]
+    )
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            letters = await client.post("/v1/replays", json={"source": "dead-letter"})
+            assert letters.status_code == 422  # embedded mode has no dead-letter topic
+            replayed = await client.post("/v1/replays", json={"connection_id": connection})
+            assert replayed.status_code == 200, replayed.text
+            result = replayed.json()
+            assert (result["replayed"], result["indexed"], result["failed_again"]) == (3, 3, 0)
+            run = (await client.get(f"/v1/runs/{result['run_id']}")).json()
+    finally:
+        await runs.aclose()
+    assert (run["kind"], run["connection_id"], run["status"], run["params"]) == (
+        "replay",
+        connection,
+        "succeeded",
+        {"source": "failures"},
+    )
+    assert {name: run["progress"][name] for name in ("replayed", "indexed", "failed_again", "total", "done")} == {
+        "replayed": 3,
+        "indexed": 3,
+        "failed_again": 0,
+        "total": 3,
+        "done": 3,
+    }
+    assert await runtime.store.failures(connection) == []

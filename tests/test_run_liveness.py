@@ -18,12 +18,12 @@ import pytest
 
 from ragstream.api.http import create_app
 from ragstream.api.syncs import sync_router
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import OWNER_GONE, RunStatus, SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import Scheduler
 from ragstream.storage.database import connect_pool
+from ragstream.storage.runs import OWNER_GONE, RunInProgress, RunStatus, RunStore
 from tests.support.connections import private_database
 from tests.support.run_owner import owner_locks
+from tests.support.runs import sync_runner
 
 # Its "wiki" connection is a folder made with an API-style id, so it must lie in a root.
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("folder_roots")]
@@ -53,16 +53,16 @@ async def pool(fresh_dsn: str, tmp_path: Path) -> AsyncIterator[asyncpg.Pool]:
 
 
 @pytest.fixture
-async def other(pool: asyncpg.Pool, fresh_dsn: str) -> AsyncIterator[SyncRunStore]:
+async def other(pool: asyncpg.Pool, fresh_dsn: str) -> AsyncIterator[RunStore]:
     """Another replica's store: it never owned the runs it judges."""
-    store = SyncRunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
+    store = RunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
     try:
         yield store
     finally:
         await store.aclose()
 
 
-async def _until_reaped(store: SyncRunStore, run_id: int) -> float:
+async def _until_reaped(store: RunStore, run_id: int) -> float:
     """Seconds until ``store`` fails the run as ownerless; PostgreSQL ends a killed client's session
     as soon as it reads the closed socket, which takes milliseconds, not the stale timeout."""
     started = time.monotonic()
@@ -74,7 +74,7 @@ async def _until_reaped(store: SyncRunStore, run_id: int) -> float:
 
 
 async def test_a_sigkilled_owner_is_seen_at_once_and_a_new_run_starts(
-    fresh_dsn: str, pool: asyncpg.Pool, other: SyncRunStore
+    fresh_dsn: str, pool: asyncpg.Pool, other: RunStore
 ) -> None:
     # The test runs from the repository root, where ``tests`` is importable.
     owner = await asyncio.create_subprocess_exec(
@@ -85,7 +85,7 @@ async def test_a_sigkilled_owner_is_seen_at_once_and_a_new_run_starts(
         run_id = int(await asyncio.wait_for(owner.stdout.readline(), 60))
         # Alive: the other replica leaves its run alone and refuses a second one.
         assert await other.reap() == []
-        with pytest.raises(SyncInProgress) as refused:
+        with pytest.raises(RunInProgress) as refused:
             await other.start("wiki", "api")
         assert refused.value.run is not None and refused.value.run.id == run_id
 
@@ -98,7 +98,7 @@ async def test_a_sigkilled_owner_is_seen_at_once_and_a_new_run_starts(
             await owner.wait()
 
     failed = await other.get(run_id)
-    assert failed is not None and (failed.status, failed.reason) == (RunStatus.FAILED, OWNER_GONE)
+    assert failed is not None and (failed.status, failed.error) == (RunStatus.FAILED, OWNER_GONE)
     assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'wiki'") == OWNER_GONE
     replacement = await other.start("wiki", "api")
     assert replacement.status is RunStatus.QUEUED and replacement.id != run_id
@@ -121,15 +121,15 @@ async def _owner_backend(pool: asyncpg.Pool) -> int:
 
 
 async def test_a_dropped_owner_session_fails_the_run_and_its_runner_stops(
-    fresh_dsn: str, pool: asyncpg.Pool, other: SyncRunStore
+    fresh_dsn: str, pool: asyncpg.Pool, other: RunStore
 ) -> None:
     """The process is alive but has lost its lock: the run is failed for everyone, and the runner,
     whose next progress write finds the run no longer syncing, stops instead of syncing unseen."""
-    mine = SyncRunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
-    runner = SyncRunner(mine, HungPipeline, progress_interval_s=0.05)  # type: ignore[arg-type]
+    mine = RunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
+    runner = sync_runner(mine, HungPipeline, progress_interval_s=0.05)  # type: ignore[arg-type]
     try:
         run = await mine.start("wiki", "api")
-        claimed = await mine.claim(2)
+        claimed = await mine.claim(2, ["sync"])
         assert claimed is not None and claimed.id == run.id
         task = asyncio.create_task(runner.execute(claimed))
         await asyncio.sleep(0.2)
@@ -138,22 +138,20 @@ async def test_a_dropped_owner_session_fails_the_run_and_its_runner_stops(
         await pool.execute("SELECT pg_terminate_backend($1)", await _owner_backend(pool))
         await _until_reaped(other, run.id)
         outcome = await asyncio.wait_for(task, 10)
-        assert (outcome.run, outcome.report) == (None, None)
+        assert (outcome.run, outcome.result) == (None, None)
         failed = await other.get(run.id)
-        assert failed is not None and (failed.status, failed.reason) == (RunStatus.FAILED, OWNER_GONE)
+        assert failed is not None and (failed.status, failed.error) == (RunStatus.FAILED, OWNER_GONE)
 
         # The same process owns its next run through a new session.
         again = await mine.start("wiki", "cli", running=True)
         assert await other.reap() == []
-        assert await mine.finish(again.id, RunStatus.READY, None, again.counts, None) is not None
+        assert await mine.finish(again.id, RunStatus.SUCCEEDED, None, again.progress) is not None
         assert await owner_locks(pool) == 0
     finally:
         await mine.aclose()
 
 
-async def test_status_and_scheduler_fail_an_ownerless_run(
-    fresh_dsn: str, pool: asyncpg.Pool, other: SyncRunStore
-) -> None:
+async def test_status_and_scheduler_fail_an_ownerless_run(fresh_dsn: str, pool: asyncpg.Pool, other: RunStore) -> None:
     """Closing a store is the quiet form of dying: whoever looks next (the status API, ``ragstream
     status``'s overview, the scheduler) fails the run it left behind."""
 
@@ -161,7 +159,7 @@ async def test_status_and_scheduler_fail_an_ownerless_run(
         return True
 
     for look in ("api", "overview", "scheduler"):
-        mine = SyncRunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
+        mine = RunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
         run = await mine.start("wiki", "cli", running=True)
         await mine.aclose()
         if look == "api":
@@ -171,7 +169,7 @@ async def test_status_and_scheduler_fail_an_ownerless_run(
             assert (status["status"], status["reason"]) == ("Failed", OWNER_GONE)
         elif look == "overview":
             [line] = await other.overview()
-            assert line.latest is not None and (line.latest.status, line.latest.reason) == (
+            assert line.latest is not None and (line.latest.status, line.latest.error) == (
                 RunStatus.FAILED,
                 OWNER_GONE,
             )
@@ -183,22 +181,22 @@ async def test_status_and_scheduler_fail_an_ownerless_run(
             finally:
                 await scheduler.stop()
         failed = await other.get(run.id)
-        assert failed is not None and (failed.status, failed.reason) == (RunStatus.FAILED, OWNER_GONE), look
+        assert failed is not None and (failed.status, failed.error) == (RunStatus.FAILED, OWNER_GONE), look
 
 
 async def test_an_idle_session_timeout_does_not_end_a_healthy_owner(
-    fresh_dsn: str, pool: asyncpg.Pool, other: SyncRunStore
+    fresh_dsn: str, pool: asyncpg.Pool, other: RunStore
 ) -> None:
     """The owner session is idle for the whole sync: a server's idle_session_timeout must not end it
     and fail the run as ownerless."""
     await pool.execute(
         f"ALTER DATABASE {await pool.fetchval('SELECT current_database()')} SET idle_session_timeout = 200"
     )
-    mine = SyncRunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
+    mine = RunStore(pool, fresh_dsn, stale_timeout_s=_STALE_S)
     try:
         run = await mine.start("wiki", "cli", running=True)
         await asyncio.sleep(1.0)
         assert await other.reap() == []
-        assert await mine.finish(run.id, RunStatus.READY, None, run.counts, None) is not None
+        assert await mine.finish(run.id, RunStatus.SUCCEEDED, None, run.progress) is not None
     finally:
         await mine.aclose()

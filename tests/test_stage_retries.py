@@ -18,7 +18,6 @@ from pydantic import BaseModel
 from ragstream.api.http import create_app
 from ragstream.api.syncs import sync_router
 from ragstream.connectors.folder import FolderConnector
-from ragstream.control.runs import Downstream, SyncRunStore
 from ragstream.credentials import CredentialCipher
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
 from ragstream.failures import StageFailure, StageRetry, classify, record_failure, record_retry
@@ -31,6 +30,8 @@ from ragstream.service import ServiceContext
 from ragstream.settings import StageRetrySettings
 from ragstream.stages.embed import EmbedService
 from ragstream.storage.connections import ConnectionStore
+from ragstream.storage.downstream import Downstream, DownstreamStore
+from ragstream.storage.runs import RunStore
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,7 @@ async def test_transient_failures_are_retried_and_the_connection_summarises_the_
         retry=_FAST,
     )
     connection = FolderConnector(tmp_path).connection_id
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
+    runs = RunStore(runtime.pool, runtime.dsn)
     try:
         report = await pipeline.sync(FolderConnector(tmp_path))
 
@@ -111,7 +112,7 @@ async def test_transient_failures_are_retried_and_the_connection_summarises_the_
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             status = (await client.get(f"/v1/connections/{connection}/status")).json()
         assert status["sync_error"] == summary
-        [line] = [line for line in await runs.overview() if line.connection.id == connection]
+        [line] = [line for line in await runs.overview() if line.connection_id == connection]
         assert line.sync_error == summary  # what ragstream status prints as the last error
         listed = await ConnectionStore(runtime.pool, CredentialCipher([])).get(connection)
         assert listed is not None and listed.sync_error == summary
@@ -203,20 +204,21 @@ async def test_a_run_waits_for_a_document_a_stage_is_still_retrying(runtime: Run
     is failed, and a commit since the run started is indexed."""
     connection = f"settle-{uuid.uuid4().hex[:8]}"
     await runtime.store.ensure_connection(connection, "folder", connection, None)
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
+    runs = RunStore(runtime.pool, runtime.dsn)
+    settled = DownstreamStore(runtime.pool)
     header = _header(connection, "retried")
     announced = (header.document_id, header.version)
     unavailable = EmbeddingError("provider unavailable (503)", retryable=True, provider="test")
     try:
         await record_retry(runtime.store, header, "embed", unavailable)
-        assert await runs.downstream([announced]) == Downstream(indexed=0, failed=0, chunks=0)
+        assert await settled.downstream([announced]) == Downstream(indexed=0, failed=0, chunks=0)
         # Still being retried: not a failed document in the connection's summary either.
         assert await runs.sync_error(connection) is None
         await record_failure(runtime.store, header, "embed", classify(unavailable))
-        given_up = await runs.downstream([announced])
+        given_up = await settled.downstream([announced])
         assert given_up == Downstream(indexed=0, failed=1, chunks=0, failed_embedding=1) and given_up.settled(1)
         assert await runs.sync_error(connection) == "1 document failed: 1 embedding_unavailable"
-        assert not (await runs.downstream([announced, ("never-announced", 1)])).settled(2)
+        assert not (await settled.downstream([announced, ("never-announced", 1)])).settled(2)
     finally:
         await runtime.pool.execute("DELETE FROM connections WHERE id = $1", connection)
 
@@ -226,7 +228,7 @@ async def test_a_run_does_not_settle_on_an_older_version_still_in_flight(runtime
     for good) after this run began, but only the announced version or a newer one settles the run."""
     connection = f"settle-{uuid.uuid4().hex[:8]}"
     await runtime.store.ensure_connection(connection, "folder", connection, None)
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
+    runs = DownstreamStore(runtime.pool)
     older = _header(connection, "in-flight").model_copy(update={"version": await runtime.store.next_version()})
     announced = older.model_copy(update={"version": await runtime.store.next_version()})
     chunks = [ChunkPayload(ordinal=0, heading="in-flight", text="A page committed by two runs.")]

@@ -15,13 +15,13 @@ from ragstream.api.syncs import SyncRunView
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RunStatus, SyncRunStore
 from ragstream.failures import StageFailure, record_failure
 from ragstream.jobs.progress import SyncProgress
 from ragstream.messages import DocumentChanged, DocumentDeleted
 from ragstream.runtime import Runtime
 from ragstream.stages.fetch import FetchService
+from ragstream.storage.runs import RunStatus, RunStore
+from tests.support.runs import sync_runner
 
 pytestmark = pytest.mark.integration
 
@@ -199,9 +199,9 @@ async def test_a_forward_sync_downloads_only_changes_and_finds_deletions(runtime
 async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path)
     connection_id = await register_folder(runtime.store, corpus)
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
+    runs = RunStore(runtime.pool, runtime.dsn)
     try:
-        runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=0.05)
+        runner = sync_runner(runs, runtime.pipeline, progress_interval_s=0.05)
         first = await runs.start(connection_id, "api", running=True)
 
         def stop_after_four(progress: SyncProgress) -> None:
@@ -213,7 +213,7 @@ async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime
             await task
         stopped = await runs.get(first.id)
         assert stopped is not None and stopped.status is RunStatus.FAILED
-        assert (stopped.reason, stopped.counts.direction) == ("cancelled: the process stopped", "backward")
+        assert (stopped.error, stopped.progress["direction"]) == ("cancelled: the process stopped", "backward")
         staged_first = dict(
             await runtime.pool.fetch(
                 "SELECT document_id, version FROM staged_documents WHERE connection_id = $1", connection_id
@@ -225,12 +225,17 @@ async def test_a_stopped_run_is_resumed_by_the_next_and_says_so(runtime: Runtime
         third = await runner.execute(await runs.start(connection_id, "api", running=True))
 
         assert second.run is not None and third.run is not None
-        assert (second.run.status, second.run.counts.direction, second.run.counts.resumed) == (
-            RunStatus.READY,
+        assert (second.run.status, second.run.progress["direction"], second.run.progress["resumed"]) == (
+            RunStatus.SUCCEEDED,
             "backward",
             True,
         )
-        assert (third.run.counts.direction, third.run.counts.resumed, third.run.counts.changed) == ("forward", False, 0)
+        walk = third.run.progress
+        assert (walk["direction"], walk["resumed"], walk["changed"]) == (
+            "forward",
+            False,
+            0,
+        )
         view = SyncRunView.of(third.run)
         assert (view.direction, view.resumed) == ("forward", False)
         # Each document staged before the stop was indexed from that staging, not downloaded again.

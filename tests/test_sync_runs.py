@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
 import pytest
 
 from ragstream.api.http import create_app
-from ragstream.api.syncs import sync_router
+from ragstream.api.syncs import sync_counts, sync_router
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RagDisabled, RunCounts, RunStatus, SyncInProgress, SyncRunStore
 from ragstream.control.scheduler import SCHEDULER_LOCK, Scheduler
 from ragstream.embedding.base import Embedder, EmbeddingError, TextKind, Vectors
 from ragstream.failures import StageRetry
@@ -25,8 +24,10 @@ from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
 from ragstream.stages.embed import EmbedService
 from ragstream.storage.database import connect_pool
+from ragstream.storage.runs import Heartbeat, RagDisabled, RunInProgress, RunStatus, RunStore
 from tests.support.connections import private_database
 from tests.support.run_owner import owner_locks
+from tests.support.runs import sync_runner
 
 pytestmark = pytest.mark.integration
 
@@ -49,8 +50,8 @@ async def pool(fresh_dsn: str) -> AsyncIterator[asyncpg.Pool]:
 
 
 @pytest.fixture
-async def runs(pool: asyncpg.Pool, fresh_dsn: str) -> AsyncIterator[SyncRunStore]:
-    store = SyncRunStore(pool, fresh_dsn)
+async def runs(pool: asyncpg.Pool, fresh_dsn: str) -> AsyncIterator[RunStore]:
+    store = RunStore(pool, fresh_dsn)
     try:
         yield store
     finally:
@@ -67,10 +68,10 @@ async def shared(runtime: Runtime) -> AsyncIterator[Runtime]:
 
 
 @pytest.fixture
-async def shared_runs(shared: Runtime) -> AsyncIterator[SyncRunStore]:
+async def shared_runs(shared: Runtime) -> AsyncIterator[RunStore]:
     """A store over the session's runtime, closed even when its test fails: an owner session left
     open would keep its runs' locks for the rest of the test session."""
-    store = SyncRunStore(shared.pool, shared.dsn)
+    store = RunStore(shared.pool, shared.dsn)
     try:
         yield store
     finally:
@@ -83,38 +84,38 @@ async def add_connection(pool: asyncpg.Pool, connection_id: str, platform: str =
         await pool.execute(f"UPDATE connections SET {column} = $2 WHERE id = $1", connection_id, value)
 
 
-async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
+async def test_a_second_start_while_one_is_active_is_refused(pool: asyncpg.Pool, runs: RunStore) -> None:
     await add_connection(pool, "wiki")
     first = await runs.start("wiki", "api")
-    with pytest.raises(SyncInProgress) as queued:
+    with pytest.raises(RunInProgress) as queued:
         await runs.start("wiki", "schedule")
     assert queued.value.run is not None and queued.value.run.id == first.id
 
-    claimed = await runs.claim(2)
-    assert claimed is not None and claimed.status is RunStatus.SYNCING
-    with pytest.raises(SyncInProgress, match="Sync already in progress"):
+    claimed = await runs.claim(2, ["sync"])
+    assert claimed is not None and claimed.status is RunStatus.RUNNING
+    with pytest.raises(RunInProgress, match="Sync already in progress"):
         await runs.start("wiki", "api")
 
-    done = await runs.finish(first.id, RunStatus.READY, None, RunCounts(listed=3, indexed=3), 1.5)
-    assert done is not None and done.status is RunStatus.READY
+    done = await runs.finish(first.id, RunStatus.SUCCEEDED, None, {"listed": 3, "indexed": 3, "rate": 1.5})
+    assert done is not None and done.status is RunStatus.SUCCEEDED
     assert (await runs.start("wiki", "api")).status is RunStatus.QUEUED
 
 
-async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
+async def test_a_connection_with_rag_off_is_not_synced(pool: asyncpg.Pool, runs: RunStore) -> None:
     await add_connection(pool, "direct-only", rag_enabled=False)
     with pytest.raises(RagDisabled, match="RAG is off"):
         await runs.start("direct-only", "api")
     with pytest.raises(RagDisabled):
         await runs.start("no-such-connection", "api")
-    assert await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id = 'direct-only'") == 0
+    assert await pool.fetchval("SELECT count(*) FROM runs WHERE connection_id = 'direct-only'") == 0
 
 
-async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
+async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg.Pool, runs: RunStore) -> None:
     await add_connection(pool, "wiki")
     old = await runs.start("wiki", "api")
-    assert await runs.claim(2) is not None
+    assert await runs.claim(2, ["sync"]) is not None
     await pool.execute(
-        "UPDATE sync_runs SET started_at = now() - interval '3 hours', heartbeat_at = now() - interval '2 hours'"
+        "UPDATE runs SET started_at = now() - interval '3 hours', heartbeat_at = now() - interval '2 hours'"
         " WHERE id = $1",
         old.id,
     )
@@ -122,29 +123,29 @@ async def test_a_silent_run_goes_stale_and_a_new_start_replaces_it(pool: asyncpg
     new = await runs.start("wiki", "api")
 
     failed = await runs.get(old.id)
-    assert failed is not None and failed.status is RunStatus.FAILED and failed.reason is not None
-    assert failed.reason.startswith("stale: no progress for ") and failed.reason.endswith(" s")
-    assert int(failed.reason.split()[-2]) >= 7200
+    assert failed is not None and failed.status is RunStatus.FAILED and failed.error is not None
+    assert failed.error.startswith("stale: no progress for ") and failed.error.endswith(" s")
+    assert int(failed.error.split()[-2]) >= 7200
     assert new.status is RunStatus.QUEUED and new.id != old.id
-    assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'wiki'") == failed.reason
+    assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'wiki'") == failed.error
     # The stale run's process finishing late does not revive it.
-    assert await runs.finish(old.id, RunStatus.READY, None, RunCounts(), None) is None
+    assert await runs.finish(old.id, RunStatus.SUCCEEDED, None, {}) is None
 
 
-async def test_runs_over_the_concurrency_limit_stay_queued(pool: asyncpg.Pool, runs: SyncRunStore) -> None:
+async def test_runs_over_the_concurrency_limit_stay_queued(pool: asyncpg.Pool, runs: RunStore) -> None:
     for name in ("a", "b", "c"):
         await add_connection(pool, name)
         await runs.start(name, "schedule")
 
-    claimed = [await runs.claim(2), await runs.claim(2), await runs.claim(2)]
+    claimed = [await runs.claim(2, ["sync"]), await runs.claim(2, ["sync"]), await runs.claim(2, ["sync"])]
 
     assert [run.connection_id if run else None for run in claimed] == ["a", "b", None]
     waiting = await runs.latest("c")
     assert waiting is not None and waiting.status is RunStatus.QUEUED
     first = claimed[0]
     assert first is not None
-    await runs.finish(first.id, RunStatus.FAILED, "RuntimeError: boom", RunCounts(), None)
-    third = await runs.claim(2)
+    await runs.finish(first.id, RunStatus.FAILED, "RuntimeError: boom", {})
+    third = await runs.claim(2, ["sync"])
     assert third is not None and third.connection_id == "c"
     assert await pool.fetchval("SELECT sync_error FROM connections WHERE id = 'a'") == "RuntimeError: boom"
 
@@ -157,7 +158,7 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
     await add_connection(pool, "disabled", status="disabled")
     await add_connection(pool, "manual", schedule_seconds=0)
     other_pool = await connect_pool(fresh_dsn)
-    stores = [SyncRunStore(pool, fresh_dsn), SyncRunStore(other_pool, fresh_dsn)]
+    stores = [RunStore(pool, fresh_dsn), RunStore(other_pool, fresh_dsn)]
     leader, follower = (Scheduler(fresh_dsn, store) for store in stores)
     try:
         enqueued = await leader.step()
@@ -189,17 +190,15 @@ async def test_one_scheduler_leads_and_another_takes_over_when_its_connection_dr
         for store in stores:
             await store.aclose()
         await other_pool.close()
-    assert (
-        await pool.fetchval("SELECT count(*) FROM sync_runs WHERE connection_id IN ('off', 'disabled', 'manual')") == 0
-    )
+    assert await pool.fetchval("SELECT count(*) FROM runs WHERE connection_id IN ('off', 'disabled', 'manual')") == 0
 
 
-class RecordingRunStore(SyncRunStore):
+class RecordingRunStore(RunStore):
     """Keeps every progress write, to show the row moves while the sync runs."""
 
     def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
         super().__init__(pool, dsn)
-        self.writes: list[RunCounts] = []
+        self.writes: list[dict[str, Any]] = []
         self.statuses: list[str] = []
         self._wrote = asyncio.Event()
 
@@ -209,12 +208,10 @@ class RecordingRunStore(SyncRunStore):
             self._wrote.clear()
             await self._wrote.wait()
 
-    async def progress(
-        self, run_id: int, counts: RunCounts, rate: float | None, eta_seconds: float | None, *, moved: bool
-    ) -> bool:
-        written = await super().progress(run_id, counts, rate, eta_seconds, moved=moved)
-        self.statuses.append(await self._pool.fetchval("SELECT status FROM sync_runs WHERE id = $1", run_id))
-        self.writes.append(counts)
+    async def progress(self, run_id: int, document: Mapping[str, Any], *, moved: bool) -> Heartbeat:
+        written = await super().progress(run_id, document, moved=moved)
+        self.statuses.append(await self._pool.fetchval("SELECT status FROM runs WHERE id = $1", run_id))
+        self.writes.append(dict(document))
         self._wrote.set()
         return written
 
@@ -236,40 +233,41 @@ async def test_a_folder_sync_writes_progress_then_ends_ready(
     runs = recording_runs
     connection_id = await register_folder(shared.store, corpus)
     run = await runs.start(connection_id, "cli", running=True)
-    assert run.status is RunStatus.SYNCING
+    assert run.status is RunStatus.RUNNING
 
-    outcome = await SyncRunner(runs, shared.pipeline, progress_interval_s=0.2).execute(run)
+    outcome = await sync_runner(runs, shared.pipeline, progress_interval_s=0.2).execute(run)
 
-    assert outcome.report is not None and outcome.report.ok
+    assert outcome.result is not None and outcome.result.ok
     done = await runs.get(run.id)
-    assert done is not None and done.status is RunStatus.READY and done.reason is None
-    assert done.counts == RunCounts(
-        listed=300,
-        unchanged=0,
-        changed=300,
-        indexed=300,
-        deleted=0,
-        failed=0,
-        chunks=300,
-        listing_done=True,
-        direction="backward",
-    )
-    assert done.rate is not None and done.rate > 0 and done.finished_at is not None
-    assert runs.writes and any(0 < counts.indexed < 300 for counts in runs.writes)
-    assert set(runs.statuses) == {"syncing"}
+    assert done is not None and done.status is RunStatus.SUCCEEDED and done.error is None
+    assert {name: done.progress[name] for name in sync_counts({})} == {
+        "listed": 300,
+        "unchanged": 0,
+        "changed": 300,
+        "indexed": 300,
+        "deleted": 0,
+        "failed": 0,
+        "chunks": 300,
+        "skipped": 0,
+        "listing_done": True,
+        "direction": "backward",
+        "resumed": False,
+    }
+    assert (done.progress["total"], done.progress["done"], done.progress["eta_seconds"]) == (300, 300, None)
+    assert done.progress["rate"] > 0 and done.finished_at is not None
+    assert runs.writes and any(0 < counts["indexed"] < 300 for counts in runs.writes)
+    assert set(runs.statuses) == {"running"}
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) is None
 
 
-class UnwritableProgressStore(SyncRunStore):
+class UnwritableProgressStore(RunStore):
     """Every progress write fails as on a dropped pool connection; starting and finishing work."""
 
     def __init__(self, pool: asyncpg.Pool, dsn: str) -> None:
         super().__init__(pool, dsn)
         self.attempts = 0
 
-    async def progress(
-        self, run_id: int, counts: RunCounts, rate: float | None, eta_seconds: float | None, *, moved: bool
-    ) -> bool:
+    async def progress(self, run_id: int, document: Mapping[str, Any], *, moved: bool) -> Heartbeat:
         self.attempts += 1
         raise asyncpg.InterfaceError("connection is closed")
 
@@ -281,9 +279,12 @@ async def test_lost_progress_writes_do_not_fail_the_sync(shared: Runtime, corpus
     try:
         connection_id = await register_folder(shared.store, corpus)
         run = await runs.start(connection_id, "cli", running=True)
-        outcome = await SyncRunner(runs, shared.pipeline, progress_interval_s=0.005).execute(run)
+        outcome = await sync_runner(runs, shared.pipeline, progress_interval_s=0.005).execute(run)
         assert runs.attempts > 0
-        assert outcome.run is not None and (outcome.run.status, outcome.run.counts.indexed) == (RunStatus.READY, 60)
+        assert outcome.run is not None and (outcome.run.status, outcome.run.progress["indexed"]) == (
+            RunStatus.SUCCEEDED,
+            60,
+        )
     finally:
         await runs.aclose()
 
@@ -300,20 +301,20 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(
 ) -> None:
     runs = recording_runs
     connection_id = await register_folder(shared.store, corpus)
-    runner = SyncRunner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
+    runner = sync_runner(runs, HungPipeline, progress_interval_s=0.01)  # type: ignore[arg-type]
     hung = await runs.start(connection_id, "api", running=True)
     task = asyncio.create_task(runner.execute(hung))
     await runs.written(3)
     row = await runs.get(hung.id)
-    assert row is not None and row.status is RunStatus.SYNCING
+    assert row is not None and row.status is RunStatus.RUNNING
     assert row.heartbeat_at == row.started_at  # progress rows written, but nothing moved
 
-    await shared.pool.execute("UPDATE sync_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = $1", hung.id)
+    await shared.pool.execute("UPDATE runs SET heartbeat_at = now() - interval '1 hour' WHERE id = $1", hung.id)
     replacement = await runs.start(connection_id, "api", running=True)
     outcome = await task  # the hung sync noticed that its run was failed as stale, and stopped
-    assert outcome.run is None and outcome.report is None
+    assert outcome.run is None and outcome.result is None
     stale = await runs.get(hung.id)
-    assert stale is not None and stale.status is RunStatus.FAILED and (stale.reason or "").startswith("stale: ")
+    assert stale is not None and stale.status is RunStatus.FAILED and (stale.error or "").startswith("stale: ")
     assert await owner_locks(shared.pool, hung.id) == 0  # released, not kept until the process ends
     assert await owner_locks(shared.pool, replacement.id) == 1
 
@@ -324,14 +325,14 @@ async def test_a_hung_sync_goes_stale_and_stops_or_fails_when_cancelled(
         await task
     cancelled = await runs.get(replacement.id)
     assert cancelled is not None
-    assert (cancelled.status, cancelled.reason) == (RunStatus.FAILED, "cancelled: the process stopped")
+    assert (cancelled.status, cancelled.error) == (RunStatus.FAILED, "cancelled: the process stopped")
 
 
 async def test_a_failing_connector_fails_the_run_with_its_reason(
-    shared: Runtime, tmp_path: Path, shared_runs: SyncRunStore
+    shared: Runtime, tmp_path: Path, shared_runs: RunStore
 ) -> None:
     runs = shared_runs
-    runner = SyncRunner(runs, shared.pipeline)
+    runner = sync_runner(runs, shared.pipeline)
     platform_id = f"web-{uuid.uuid4().hex[:8]}"
     await shared.store.ensure_connection(platform_id, "web", "Team site")
     feishu_id = f"feishu-{uuid.uuid4().hex[:8]}"
@@ -348,8 +349,8 @@ async def test_a_failing_connector_fails_the_run_with_its_reason(
     ]:
         run = await runs.start(connection_id, "api", running=True)
         outcome = await runner.execute(run)
-        assert outcome.report is None and outcome.run is not None
-        assert (outcome.run.status, outcome.run.reason) == (RunStatus.FAILED, reason)
+        assert outcome.result is None and outcome.run is not None
+        assert (outcome.run.status, outcome.run.error) == (RunStatus.FAILED, reason)
         assert await runs.active(connection_id) is None
         assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == reason
 
@@ -382,14 +383,14 @@ class FlakyEmbedder:
 
 
 async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(
-    shared: Runtime, corpus: Path, shared_runs: SyncRunStore
+    shared: Runtime, corpus: Path, shared_runs: RunStore
 ) -> None:
     for index in range(36):
         (corpus / f"doc-{index:02}.md").write_text(f"# Doc {index}\n\nThe heronwick ledger entry {index} is filed.\n")
     runs = shared_runs
     connection_id = await register_folder(shared.store, corpus)
-    first = await SyncRunner(runs, shared.pipeline).execute(await runs.start(connection_id, "cli", running=True))
-    assert first.run is not None and first.run.status is RunStatus.READY
+    first = await sync_runner(runs, shared.pipeline).execute(await runs.start(connection_id, "cli", running=True))
+    assert first.run is not None and first.run.status is RunStatus.SUCCEEDED
 
     async def snapshot() -> tuple[list[tuple[str, str, str]], list[str]]:
         rows = await shared.pool.fetch(
@@ -418,17 +419,17 @@ async def test_a_degraded_embedder_fails_the_sync_and_keeps_the_previous_index(
     )
     run = await runs.start(connection_id, "api", running=True)
 
-    outcome = await SyncRunner(runs, lambda: flaky).execute(run)
+    outcome = await sync_runner(runs, lambda: flaky).execute(run)
 
-    assert outcome.report is None and outcome.run is not None
+    assert outcome.result is None and outcome.run is not None
     failed = outcome.run
-    assert failed.status is RunStatus.FAILED and failed.reason is not None
-    assert failed.reason.startswith("embedding degraded: 8") or failed.reason.startswith("embedding degraded: 9")
-    assert "% of chunks" in failed.reason and "without a vector" in failed.reason
-    assert failed.counts.failed < 35  # stopped early instead of marching through every document
+    assert failed.status is RunStatus.FAILED and failed.error is not None
+    assert failed.error.startswith("embedding degraded: 8") or failed.error.startswith("embedding degraded: 9")
+    assert "% of chunks" in failed.error and "without a vector" in failed.error
+    assert failed.progress["failed"] < 35  # stopped early instead of marching through every document
     assert await snapshot() == before  # same chunk ids, doc-35 not deleted, same search results
     assert await shared.pool.fetchval("SELECT sync_error FROM connections WHERE id = $1", connection_id) == (
-        failed.reason
+        failed.error
     )
 
 
@@ -436,7 +437,7 @@ async def ready() -> bool:
     return True
 
 
-async def test_the_sync_routes(shared: Runtime, corpus: Path, shared_runs: SyncRunStore) -> None:
+async def test_the_sync_routes(shared: Runtime, corpus: Path, shared_runs: RunStore) -> None:
     (corpus / "a.md").write_text("# A\n\nText.\n")
     connection_id = await register_folder(shared.store, corpus)
     runs = shared_runs
@@ -458,7 +459,7 @@ async def test_the_sync_routes(shared: Runtime, corpus: Path, shared_runs: SyncR
         assert unknown.status_code == 404
 
         await runs.finish(
-            started.json()["id"], RunStatus.FAILED, "RuntimeError: boom", RunCounts(listed=1, failed=1), 0.5
+            started.json()["id"], RunStatus.FAILED, "RuntimeError: boom", {"listed": 1, "failed": 1, "rate": 0.5}
         )
         status = (await client.get(f"/v1/connections/{connection_id}/status")).json()
         assert (status["status"], status["reason"]) == ("Failed", "RuntimeError: boom")

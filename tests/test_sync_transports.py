@@ -21,8 +21,6 @@ from ragstream.api.syncs import sync_router
 from ragstream.connectors import registry
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RunStatus, SyncRunStore
 from ragstream.degradation import EmbeddingDegraded
 from ragstream.embedding.base import EmbeddingError, TextKind, Vectors
 from ragstream.failures import StageRetry
@@ -34,8 +32,11 @@ from ragstream.settings import StageRetrySettings
 from ragstream.stages.embed import EmbedService
 from ragstream.stages.index import IndexService
 from ragstream.storage.documents import DocumentStore, StaleChunkingError
+from ragstream.storage.downstream import DownstreamStore
+from ragstream.storage.runs import RunStatus, RunStore
 from ragstream.transport.kafka import KafkaTransport
 from ragstream.transport.memory import MemoryTransport
+from tests.support.runs import sync_runner
 from tests.support.stages import kafka_stages
 
 pytestmark = pytest.mark.integration
@@ -112,13 +113,9 @@ async def harness(request: pytest.FixtureRequest, runtime: Runtime) -> AsyncIter
         return
     settings = runtime.settings.model_copy(update={"stage_retry": _RETRY, "kafka_session_timeout_ms": 6000})
     stages = replace(runtime, settings=settings, embed=embed, indexer=indexer)
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
-    try:
-        async with kafka_stages(stages, request.getfixturevalue("kafka_bootstrap")) as broker:
-            transport = KafkaTransport(broker, runs, poll_interval_s=0.05)
-            yield Harness(SyncJob(runtime.store, transport, max_document_bytes=max_bytes), embedder, indexer)
-    finally:
-        await runs.aclose()
+    async with kafka_stages(stages, request.getfixturevalue("kafka_bootstrap")) as broker:
+        transport = KafkaTransport(broker, DownstreamStore(runtime.pool), poll_interval_s=0.05)
+        yield Harness(SyncJob(runtime.store, transport, max_document_bytes=max_bytes), embedder, indexer)
 
 
 @pytest.fixture
@@ -233,8 +230,8 @@ async def test_a_second_sync_is_refused_while_one_runs(
     write(folder, 20, "ibises")
     monkeypatch.setattr(registry, "FolderConnector", SlowFolder)
     connection_id = await registry.register_folder(runtime.store, folder)
-    runs = SyncRunStore(runtime.pool, runtime.dsn)
-    runner = SyncRunner(runs, lambda: harness.job, progress_interval_s=0.1)
+    runs = RunStore(runtime.pool, runtime.dsn)
+    runner = sync_runner(runs, lambda: harness.job, progress_interval_s=0.1)
 
     async def ready() -> bool:
         return True
@@ -248,8 +245,8 @@ async def test_a_second_sync_is_refused_while_one_runs(
             assert second.status_code == 409 and "in progress" in second.json()["detail"]
             assert not running.done()
             outcome = await running
-            assert outcome.run is not None and outcome.run.status is RunStatus.READY
-            assert outcome.run.counts.indexed == 20
+            assert outcome.run is not None and outcome.run.status is RunStatus.SUCCEEDED
+            assert outcome.run.progress["indexed"] == 20
             again = await client.post(f"/v1/connections/{connection_id}/sync")
             assert again.status_code == 202 and again.json()["status"] == "Queued"
     finally:

@@ -454,7 +454,7 @@ async def test_the_fetcher_service_syncs_a_feishu_connection_with_its_stored_cre
             staged = 0
             while staged < 4:
                 failed = await pool.fetchval(
-                    "SELECT reason FROM sync_runs WHERE connection_id = $1 AND status = 'failed'", made.id
+                    "SELECT error FROM runs WHERE connection_id = $1 AND status = 'failed'", made.id
                 )
                 assert failed is None, failed
                 assert time.monotonic() < deadline, "the fetcher did not stage the Feishu pages"

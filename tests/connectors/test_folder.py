@@ -13,10 +13,10 @@ import pytest
 from ragstream.connectors.base import DocumentUnreadable, SourceItem
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RunStatus, SyncRunStore
 from ragstream.retrieval import SearchFilters, SearchRequest
 from ragstream.runtime import Runtime
+from ragstream.storage.runs import RunStatus, RunStore
+from tests.support.runs import sync_runner
 
 pytestmark = pytest.mark.integration
 
@@ -66,18 +66,18 @@ async def test_links_and_special_files_are_skipped_with_their_reason(tmp_path: P
 async def test_a_sync_indexes_the_good_files_and_reports_the_skipped_ones(shared: Runtime, tmp_path: Path) -> None:
     folder = hostile_folder(tmp_path)
     connection_id = await register_folder(shared.store, folder)
-    runs = SyncRunStore(shared.pool, shared.dsn)
+    runs = RunStore(shared.pool, shared.dsn)
     try:
         run = await runs.start(connection_id, "cli", running=True)
-        outcome = await SyncRunner(runs, shared.pipeline).execute(run)
+        outcome = await sync_runner(runs, shared.pipeline).execute(run)
         done = await runs.get(run.id)
     finally:
         await runs.aclose()
 
-    assert outcome.report is not None and outcome.report.ok, outcome.report
-    assert outcome.report.progress.skipped == {"symlink": 3, "special_file": 1}
-    assert done is not None and done.status is RunStatus.READY
-    assert (done.counts.indexed, done.counts.skipped, done.counts.failed) == (3, 4, 0)
+    assert outcome.result is not None and outcome.result.ok, outcome.result
+    assert outcome.result.progress.skipped == {"symlink": 3, "special_file": 1}
+    assert done is not None and done.status is RunStatus.SUCCEEDED
+    assert (done.progress["indexed"], done.progress["skipped"], done.progress["failed"]) == (3, 4, 0)
     sources = await shared.pool.fetch("SELECT source FROM documents WHERE connection_id = $1", connection_id)
     assert sorted(row["source"] for row in sources) == ["alpha.md", "bad%FFname.md", "sub/beta.md"]
     scope = SearchFilters(connection_ids=[connection_id])

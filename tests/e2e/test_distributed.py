@@ -108,8 +108,9 @@ async def fetch_runs(database_url: str, folder: Path) -> list[tuple[str, str, in
     connection = await asyncpg.connect(database_url)
     try:
         rows = await connection.fetch(
-            "SELECT trigger, status, listed, changed, deleted, indexed, failed, direction FROM sync_runs"
-            " WHERE connection_id = $1 ORDER BY id",
+            "SELECT trigger, status, (progress->>'listed')::int, (progress->>'changed')::int,"
+            " (progress->>'deleted')::int, (progress->>'indexed')::int, (progress->>'failed')::int,"
+            " progress->>'direction' FROM runs WHERE kind = 'sync' AND connection_id = $1 ORDER BY id",
             FolderConnector(folder).connection_id,
         )
     finally:
@@ -166,9 +167,9 @@ def test_ingest_edit_delete_through_kafka(
     wait_until(lambda: found(retriever, folder, "值班交接") == [], what="deletion indexed")
     # Each run counts what the indexer committed, not only what the fetcher announced.
     assert asyncio.run(fetch_runs(database_url, folder)) == [
-        ("api", "ready", 2, 2, 0, 2, 0, "backward"),
-        ("api", "ready", 2, 1, 0, 1, 0, "forward"),
-        ("api", "ready", 1, 0, 1, 0, 0, "forward"),
+        ("api", "succeeded", 2, 2, 0, 2, 0, "backward"),
+        ("api", "succeeded", 2, 1, 0, 1, 0, "forward"),
+        ("api", "succeeded", 1, 0, 1, 0, 0, "forward"),
     ]
 
 
@@ -340,7 +341,7 @@ async def test_dead_letters_replayed_once_their_cause_is_fixed(
         trigger_sync(services["connector-fetcher"], folder)
         # Ready once every document was dead-lettered: the run and the connection say so.
         assert (await failed_and_indexed(database_url, folder)) == (sources, set())
-        assert [run[1:] for run in await fetch_runs(database_url, folder)] == [("ready", 5, 5, 0, 0, 5, "backward")]
+        assert [run[1:] for run in await fetch_runs(database_url, folder)] == [("succeeded", 5, 5, 0, 0, 5, "backward")]
         assert await connection.fetchval("SELECT connection_sync_error($1)", connection_id) == (
             "5 documents failed: 5 ValueError"
         )

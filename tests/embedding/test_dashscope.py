@@ -414,3 +414,16 @@ async def test_a_non_json_error_page_is_still_classified() -> None:
 
     assert calls == 2
     np.testing.assert_allclose(vectors, [[0.6, 0.8]], rtol=1e-6)
+
+
+async def test_an_endpoint_the_outbound_gate_refuses_is_a_provider_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint is the operator's configuration, so a refusal at send time is the provider's
+    failure (a search answers it as the embedder being unavailable), not the caller's invalid input."""
+    monkeypatch.setenv("RAGSTREAM_ALLOW_PRIVATE_NETWORKS", "false")
+    embedder = DashScopeEmbedder(api_key="sk-x", base_url="http://127.0.0.1:9", max_retries=0, **FAST)
+    try:
+        with pytest.raises(EmbeddingError) as caught:
+            await embedder.embed(["x"])
+    finally:
+        await embedder.aclose()
+    assert not caught.value.retryable and "loopback" in str(caught.value)

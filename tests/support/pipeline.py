@@ -165,6 +165,10 @@ class KafkaLag:
             assert self._partitions[topic], f"{topic} has no partitions"
         return self._partitions[topic]
 
+    async def end(self, topic: Topic) -> int:
+        """How many messages ``topic`` has had: the sum of its partitions' end offsets."""
+        return sum((await self._consumer.end_offsets(await self.partitions(topic))).values())
+
     async def committed(self, group: str, topics: tuple[Topic, ...]) -> dict[TopicPartition, int]:
         """The group's committed offset per partition (-1: nothing committed)."""
         partitions = [partition for topic in topics for partition in await self.partitions(topic)]

@@ -11,8 +11,8 @@ import sys
 
 import asyncpg
 
-from ragstream.control.runs import OWNER_LOCK, SyncRunStore
 from ragstream.storage.database import connect_pool
+from ragstream.storage.runs import OWNER_LOCK, RunStore
 
 __all__ = ["main", "owner_locks"]
 
@@ -32,7 +32,7 @@ async def owner_locks(pool: asyncpg.Pool, run_id: int | None = None) -> int:
 
 async def main(dsn: str, connection_id: str) -> None:
     pool = await connect_pool(dsn, max_size=2)
-    runs = SyncRunStore(pool, dsn)
+    runs = RunStore(pool, dsn)
     run = await runs.start(connection_id, "cli", running=True)
     sys.stdout.write(f"{run.id}\n")
     sys.stdout.flush()

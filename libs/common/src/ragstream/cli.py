@@ -21,19 +21,26 @@ from rich.table import Table
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import RunOutcome, SyncRunner
-from ragstream.control.runs import ConnectionOverview, RagDisabled, SyncInProgress, SyncRunStore
+from ragstream.control.kinds import (
+    DEAD_LETTER,
+    FAILURES,
+    pipeline_replay_kind,
+    rechunk_kind,
+    reindex_kind,
+    sync_kind,
+    topic_replay_kind,
+)
+from ragstream.control.runner import Job, Runner, RunOutcome
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
-from ragstream.jobs.progress import SyncProgress
+from ragstream.jobs.progress import ReplayProgress, RunProgress
 from ragstream.jobs.sync import SyncReport
 from ragstream.logs import configure_logging
-from ragstream.rechunk import RechunkBusy, RechunkProgress, UnknownConnection
-from ragstream.reindex import ReindexBusy, ReindexProgress
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
 from ragstream.settings import EmbeddingProvider, LogSettings, Settings
 from ragstream.storage.connections import ConnectionStore
 from ragstream.storage.database import apply_migrations, connect_pool, pending_migrations
+from ragstream.storage.runs import ConnectionOverview, RagDisabled, RunInProgress, RunKind, RunStatus, RunStore
 
 __all__ = ["app"]
 
@@ -90,42 +97,56 @@ def _report(report: SyncReport, source: str) -> None:
         console.print(table)
 
 
-async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | None = None) -> RunOutcome:
-    """Sync as a run (trigger ``cli``) in the foreground, with a progress bar.
-
-    ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
+async def _in_foreground(
+    runtime: Runtime,
+    kind: RunKind,
+    connection_id: str | None,
+    params: dict[str, Any],
+    job: Callable[[RunStore], Job],
+    unit: str,
+    label: str,
+) -> RunOutcome:
+    """Run one job of ``kind`` as a run this process owns (trigger ``cli``) in the foreground, with a
+    progress bar; no outcome when it could not start (one of its kind and scope is active)."""
     settings = runtime.settings
-    runs = SyncRunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
+    runs = RunStore(runtime.pool, runtime.dsn, stale_timeout_s=settings.sync_stale_timeout_s)
     try:
-        connection_id = await register_folder(runtime.store, folder, config)
         try:
-            run = await runs.start(connection_id, "cli", running=True)
-        except SyncInProgress:
-            console.print(f"[bold red]{folder}[/]: Sync already in progress (ragstream status shows it)")
+            run = await runs.start(connection_id, "cli", kind=kind, params=params, running=True)
+        except (RunInProgress, RagDisabled, LookupError) as error:
+            console.print(f"[bold red]{label}[/]: {error}", highlight=False)
             return RunOutcome(None, None)
-        except RagDisabled as error:
-            console.print(f"[bold red]{folder}[/]: {error}")
-            return RunOutcome(None, None)
-        runner = SyncRunner(runs, runtime.pipeline, progress_interval_s=settings.sync_progress_interval_s)
-        with _progress_bar("docs") as bar:
-            task = bar.add_task(f"sync {folder.name or folder}", total=None, rate=0.0)
+        runner = Runner(runs, {kind: job(runs)}, progress_interval_s=settings.sync_progress_interval_s)
+        with _progress_bar(unit) as bar:
+            task = bar.add_task(f"{kind} {label}", total=None, rate=0.0)
 
-            def show(progress: SyncProgress) -> None:
+            def show(progress: RunProgress) -> None:
                 bar.update(
                     task,
-                    total=progress.listed if progress.listing_done or progress.listed else None,
+                    total=progress.total if progress.total_known or progress.total else None,
                     completed=progress.done,
                     rate=progress.rate,
                 )
 
-            outcome = await runner.execute(run, show)
-        if outcome.report is not None:
-            _report(outcome.report, str(folder))
-        elif outcome.run is not None:
-            console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.reason}")
-        return outcome
+            return await runner.execute(run, show)
     finally:
         await runs.aclose()  # ends this process's ownership of the run, if still held
+
+
+async def _sync_folder(runtime: Runtime, folder: Path, config: dict[str, Any] | None = None) -> RunOutcome:
+    """Sync as a run (trigger ``cli``) in the foreground, with a progress bar.
+
+    ``config`` is stored in the connection's config (``--chunker``); None keeps the stored one."""
+    connection_id = await register_folder(runtime.store, folder, config)
+    label = str(folder.name or folder)
+    outcome = await _in_foreground(
+        runtime, "sync", connection_id, {}, lambda runs: sync_kind(runs, runtime.pipeline), "docs", label
+    )
+    if isinstance(outcome.result, SyncReport):
+        _report(outcome.result, str(folder))
+    elif outcome.run is not None:
+        console.print(f"[bold red]{folder}[/]: sync failed: {outcome.run.error}")
+    return outcome
 
 
 def _chunking_config(
@@ -200,7 +221,7 @@ def ingest(
 
     outcome = _run(run)
     assert isinstance(outcome, RunOutcome)
-    raise typer.Exit(0 if outcome.report is not None and outcome.report.ok else 1)
+    raise typer.Exit(0 if isinstance(outcome.result, SyncReport) and outcome.result.ok else 1)
 
 
 @app.command()
@@ -252,28 +273,38 @@ def replay(
     if dead_letter and kafka is None:
         raise typer.BadParameter("--dead-letter reads the topic: give --kafka BOOTSTRAP_SERVERS")
 
+    async def replayed(runtime: Runtime, job: Job) -> ReplayProgress | None:
+        params = {"source": DEAD_LETTER if dead_letter else FAILURES}
+        outcome = await _in_foreground(runtime, "replay", connection, params, lambda _: job, "docs", "failures")
+        if outcome.run is not None and outcome.run.error is not None:
+            console.print(f"[red]replay failed: {outcome.run.error}[/]", highlight=False)
+        return outcome.result if isinstance(outcome.result, ReplayProgress) else None
+
     async def run(runtime: Runtime) -> bool:
         if kafka is None:
-            counts, progress = await runtime.pipeline().replay(connection)
+            counts = await replayed(runtime, pipeline_replay_kind(runtime.pipeline))
             failures = await runtime.store.failures(connection)
         else:
+            # Imported here, as the API below: every other command starts faster without FastStream.
             from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
-            from ragstream.stages.replay import ReplayService
 
             broker = create_broker(kafka, "replay")
             await broker.start()
             try:
-                service, sink = ReplayService(runtime.store), KafkaChangeSink(broker)
-                if dead_letter:
-                    counts = await service.dead_letters(dead_letters(kafka), sink, connection)
-                else:
-                    counts = await service.failures(sink, connection)
+                job = topic_replay_kind(runtime.store, KafkaChangeSink(broker), lambda: dead_letters(kafka))
+                counts = await replayed(runtime, job)
             finally:
                 await broker.stop()
-            progress, failures = None, []
+            failures = []
+        if counts is None:
+            return False
         console.print(
             f"replayed {counts.replayed}"
-            + (f" ({progress.indexed} indexed, {progress.failed} failed again)" if progress else " (published)")
+            + (
+                f" ({counts.indexed} indexed, {counts.failed_again} failed again)"
+                if counts.indexed is not None
+                else " (published)"
+            )
             + f"; {counts.needs_sync} need a sync (failed before staging); {counts.resolved} already resolved"
         )
         if failures:
@@ -314,33 +345,25 @@ def reindex(
     connection_id = FolderConnector(folder).connection_id if folder is not None and folder.is_dir() else connection
 
     async def run(runtime: Runtime) -> bool:
-        with _progress_bar("chunks") as bar:
-            task = bar.add_task(f"re-index {connection_id or 'the default model'}", total=None, rate=0.0)
-
-            def show(progress: ReindexProgress) -> None:
-                bar.update(task, total=progress.chunks_total, completed=progress.chunks_embedded, rate=progress.rate)
-
-            try:
-                if connection_id is not None:
-                    result = await runtime.reindexer().run_connection(
-                        connection_id, spec if provider is not None else None, show
-                    )
-                else:
-                    target = runtime.spaces.build(spec)
-                    try:
-                        result = await runtime.reindexer().run(target, spec, show)
-                    except (ReindexBusy, ValueError):
-                        await target.aclose()
-                        raise
-            except (ReindexBusy, UnknownConnection, ValueError) as error:
-                console.print(f"[red]{error}[/]", highlight=False)
-                return False
+        outcome = await _in_foreground(
+            runtime,
+            "reindex",
+            connection_id,
+            {"spec": spec if provider is not None else None},
+            lambda _: reindex_kind(runtime.reindexer()),
+            "chunks",
+            connection_id or "the default model",
+        )
+        done = outcome.run
+        if done is None:
+            return False
         whose = f"{connection_id}: " if connection_id else ""
-        if result.status == "switched":
-            console.print(f"{whose}search now uses [bold]{result.target_key}[/] instead of {result.source_key}")
+        source, target = done.params.get("source_key"), done.params.get("target_key")
+        if done.status is RunStatus.SUCCEEDED:
+            console.print(f"{whose}search now uses [bold]{target}[/] instead of {source}")
         else:
-            console.print(f"[red]{whose}re-index failed, still searching {result.source_key}: {result.error}[/]")
-        return result.status == "switched"
+            console.print(f"[red]{whose}re-index failed, still searching {source}: {done.error}[/]", highlight=False)
+        return done.status is RunStatus.SUCCEEDED
 
     raise typer.Exit(0 if _run(run) else 1)
 
@@ -374,25 +397,27 @@ def rechunk(
 
 async def _rechunk(runtime: Runtime, connection_id: str, chunking: ChunkingConfig) -> bool:
     """Re-chunk in the foreground with a progress bar; True when it switched."""
-    with _progress_bar("docs") as bar:
-        task = bar.add_task(f"re-chunk {connection_id}", total=None, rate=0.0)
-
-        def show(progress: RechunkProgress) -> None:
-            bar.update(task, total=progress.documents_total, completed=progress.documents_done, rate=progress.rate)
-
-        try:
-            result = await runtime.rechunker().run(connection_id, chunking, show)
-        except (RechunkBusy, UnknownConnection) as error:
-            console.print(f"[red]cannot re-chunk {connection_id}: {error}[/]", highlight=False)
-            return False
-    if result.status == "switched":
+    outcome = await _in_foreground(
+        runtime,
+        "rechunk",
+        connection_id,
+        {"chunking": chunking.model_dump(mode="json")},
+        lambda _: rechunk_kind(runtime.rechunker()),
+        "docs",
+        connection_id,
+    )
+    done = outcome.run
+    if done is None:
+        console.print(f"[red]cannot re-chunk {connection_id}[/]", highlight=False)
+        return False
+    if done.status is RunStatus.SUCCEEDED:
         console.print(
-            f"{connection_id}: search now uses index version {result.index_version}"
-            f" ({result.chunks} chunks of {result.documents_done} documents)"
+            f"{connection_id}: search now uses index version {done.params.get('index_version')}"
+            f" ({done.progress.get('chunks')} chunks of {done.progress.get('documents_done')} documents)"
         )
     else:
-        console.print(f"[red]re-chunk failed, still searching the previous chunks: {result.error}[/]")
-    return result.status == "switched"
+        console.print(f"[red]re-chunk failed, still searching the previous chunks: {done.error}[/]", highlight=False)
+    return done.status is RunStatus.SUCCEEDED
 
 
 @app.command()
@@ -520,29 +545,24 @@ def migrate(
     typer.echo("the database schema is current")
 
 
-_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "skipped", "chunks")
-
-
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
-    from ragstream.api.syncs import status_label
+    # Imported here: the API module brings FastAPI, which `ragstream ingest` must not pay for.
+    from ragstream.api.syncs import status_label, sync_counts
 
     run = item.latest
-    counts = run.counts if run is not None else None
+    progress = run.progress if run is not None else {}
     return {
-        "connection_id": item.connection.id,
-        "name": item.connection.name,
-        "platform": item.connection.platform,
+        "connection_id": item.connection_id,
+        "name": item.name,
+        "platform": item.platform,
         "rag_enabled": item.rag_enabled,
         "schedule_seconds": item.schedule_seconds,
         "status": status_label(run.status) if run is not None else None,
         "trigger": run.trigger if run is not None else None,
-        "reason": run.reason if run is not None else None,
-        **{name: getattr(counts, name) if counts is not None else 0 for name in _COUNT_NAMES},
-        "listing_done": counts.listing_done if counts is not None else False,
-        "direction": counts.direction if counts is not None else None,
-        "resumed": counts.resumed if counts is not None else False,
-        "rate": run.rate if run is not None else None,
-        "eta_seconds": run.eta_seconds if run is not None else None,
+        "reason": run.error if run is not None else None,
+        **sync_counts(progress),
+        "rate": progress.get("rate"),
+        "eta_seconds": progress.get("eta_seconds"),
         "started_at": run.started_at.isoformat() if run is not None and run.started_at else None,
         "finished_at": run.finished_at.isoformat() if run is not None and run.finished_at else None,
         "last_error": item.sync_error,
@@ -563,7 +583,7 @@ def status(
         async with resolve_database(settings) as dsn:
             pool = await connect_pool(dsn, max_size=2)
             try:
-                return await SyncRunStore(pool, dsn).overview()
+                return await RunStore(pool, dsn).overview()
             finally:
                 await pool.close()
 

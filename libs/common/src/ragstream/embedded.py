@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from typing_extensions import override
 
 from ragstream.admission import SearchAdmission
@@ -19,20 +19,18 @@ from ragstream.api.control_plane import control_plane_routers, writing_knowledge
 from ragstream.api.grpc_server import grpc_server
 from ragstream.api.http import create_app
 from ragstream.api.knowledge import knowledge_router
-from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import SyncInProgress, SyncRunStore
+from ragstream.control.kinds import FAILURES, pipeline_replay_kind, run_kinds
+from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.knowledge.service import KnowledgeService
-from ragstream.rechunk import Rechunker
-from ragstream.reindex import Reindexer
 from ragstream.retrieval.with_direct import SearchWithDirect
 from ragstream.runtime import Runtime
 from ragstream.storage.database import DatabaseUnavailable, ping
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
+from ragstream.storage.runs import RunInProgress, RunStore
 
 __all__ = ["api_app", "serve"]
 
@@ -56,26 +54,26 @@ async def serve(
     (``Access.for_embedded`` checks the host first). The ``embedded`` PostgreSQL, if given, is started
     again should it die. SIGTERM and SIGINT stop it all."""
     settings = runtime.settings
-    runs = SyncRunStore(
+    runs = RunStore(
         runtime.pool,
         runtime.dsn,
         stale_timeout_s=settings.sync_stale_timeout_s,
         cipher=CredentialCipher.from_settings(settings),
     )
-    runner = SyncRunner(
+    runner = Runner(
         runs,
-        runtime.pipeline,
+        run_kinds(
+            runs, runtime.pipeline, runtime.reindexer(), runtime.rechunker(), pipeline_replay_kind(runtime.pipeline)
+        ),
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
     for folder in sources:
         connection_id = await register_folder(runtime.store, folder)
         await runs.set_schedule(connection_id, round(sync_interval))
-        with contextlib.suppress(SyncInProgress):  # another process syncs it already
+        with contextlib.suppress(RunInProgress):  # another process syncs it already
             await runs.start(connection_id, "cli")
 
-    reindexer = runtime.reindexer()
-    rechunker = runtime.rechunker()
     admission = SearchAdmission.from_settings(settings)
     searcher = runtime.searcher()
     supervisor = EmbeddedSupervisor(embedded) if embedded is not None else None
@@ -83,8 +81,6 @@ async def serve(
         runtime,
         runs,
         runner,
-        reindexer,
-        rechunker,
         access=access,
         admission=admission,
         searcher=searcher,
@@ -123,8 +119,6 @@ async def serve(
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
         await searcher.aclose()
 
 
@@ -159,10 +153,8 @@ async def _ready(runtime: Runtime, supervisor: EmbeddedSupervisor | None) -> boo
 
 def api_app(
     runtime: Runtime,
-    runs: SyncRunStore,
-    runner: SyncRunner,
-    reindexer: Reindexer,
-    rechunker: Rechunker,
+    runs: RunStore,
+    runner: Runner,
     *,
     access: Access,
     admission: SearchAdmission | None = None,
@@ -177,24 +169,12 @@ def api_app(
     async def ready() -> bool:
         return await _ready(runtime, supervisor)
 
-    async def replay(request: ReplayRequest) -> ReplayResult:
-        if request.source == "dead-letter":
-            raise HTTPException(status_code=422, detail="embedded mode has no dead-letter topic: replay failures")
-        counts, replayed = await runtime.pipeline().replay(request.connection_id)
-        return ReplayResult(
-            replayed=counts.replayed,
-            needs_sync=counts.needs_sync,
-            resolved=counts.resolved,
-            indexed=replayed.indexed,
-            failed_again=replayed.failed,
-        )
-
     knowledge = writing_knowledge(runtime, runs, runner, lambda: searcher or runtime.retriever)
     return create_app(
         (lambda: searcher) if searcher is not None else (lambda: runtime.retriever),
         ready=ready,
         routers=[
-            *control_plane_routers(runtime, runs, runner, reindexer, rechunker, replay, own_folders=own_folders),
+            *control_plane_routers(runtime, runs, runner, [FAILURES], own_folders=own_folders),
             knowledge_router(lambda: knowledge, admission=admission),
         ],
         title="ragstream",

@@ -46,21 +46,26 @@ class ConsumerLagMiddleware(BaseMiddleware):
     metadata, so it costs no extra request."""
 
     async def consume_scope(self, call_next: Callable[[Any], Awaitable[Any]], msg: Any) -> Any:
-        record = msg.raw_message
         consumer = getattr(msg, "consumer", None)
-        if isinstance(consumer, AIOKafkaConsumer) and isinstance(record, ConsumerRecord):
-            end = consumer.highwater(TopicPartition(record.topic, record.partition))
-            if end is not None:
-                group = getattr(consumer, "_group_id", None) or "none"
-                CONSUMER_LAG.labels(group, record.topic, str(record.partition)).set(max(0, end - record.offset - 1))
+        records = msg.raw_message if isinstance(msg.raw_message, tuple) else (msg.raw_message,)
+        if isinstance(consumer, AIOKafkaConsumer):
+            group = getattr(consumer, "_group_id", None) or "none"
+            for record in records:  # a batch's records in offset order per partition: the last one stays
+                if isinstance(record, ConsumerRecord):
+                    end = consumer.highwater(TopicPartition(record.topic, record.partition))
+                    if end is not None:
+                        lag = max(0, end - record.offset - 1)
+                        CONSUMER_LAG.labels(group, record.topic, str(record.partition)).set(lag)
         return await call_next(msg)
 
 
 def consumer_options(settings: Settings, service: str) -> dict[str, Any]:
     """Subscriber options every stage uses: its own group, offsets committed only after the handler
-    returned (its output is then acknowledged by Kafka), and redelivery when it raised."""
+    returned (its output is then acknowledged by Kafka), and redelivery when it raised. A batch
+    subscriber (the embedder's) takes up to ``ingest_workers`` messages at once; the others, one."""
     return {
         "group_id": f"ragstream-{service}",
+        "max_records": settings.ingest_workers,
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.NACK_ON_ERROR,
         "session_timeout_ms": settings.kafka_session_timeout_ms,

@@ -46,6 +46,14 @@ appender.out.layout.pattern = [%d] %p %m (%c)%n
 """
 
 
+def _cluster_id() -> str:
+    """A random cluster id in Kafka's form (URL-safe base64 of 16 bytes). Like Kafka's own
+    ``Uuid.randomUuid``, never one starting with ``-``: the storage tool would read it as an option."""
+    while (cluster_id := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")).startswith("-"):
+        pass
+    return cluster_id
+
+
 class KafkaNodeError(RuntimeError):
     """The jars could not be fetched or the broker did not come up (message has logs)."""
 
@@ -105,7 +113,7 @@ class KafkaNode:
         properties.write_text(_server_properties(self.work_dir / "data", broker_port, controller_port))
         (self.work_dir / "log4j2.properties").write_text(_LOG4J2)
         self._log = self.log_path.open("wb")
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = _cluster_id()
         formatted = subprocess.run(
             [
                 *self._jvm(java),

@@ -21,6 +21,7 @@ __all__ = [
     "MESSAGES_IN",
     "MESSAGES_OUT",
     "POISON_MESSAGES",
+    "RUNS_FINISHED",
     "SEARCH_LATENCY",
     "SEARCH_REQUESTS",
     "STAGE_LATENCY",
@@ -73,6 +74,11 @@ DB_POOL_WAIT = Histogram(
     "ragstream_db_pool_wait_seconds",
     "Wait for a database pool connection, including waits that timed out",
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+RUNS_FINISHED = Counter(
+    "ragstream_runs_finished_total",
+    "Runs (sync, reindex, rechunk, replay...) this process ended, by kind and final status",
+    ["kind", "status"],
 )
 VENDOR_REQUESTS = Counter(
     "ragstream_vendor_requests_total",

@@ -30,6 +30,7 @@ from ragstream.core.errors import InvalidInput
 __all__ = [
     "OutboundRefused",
     "OutboundSettings",
+    "UnresolvableHost",
     "check_scheme",
     "check_url",
     "client",
@@ -60,12 +61,16 @@ class OutboundRefused(InvalidInput, ValueError):
     """A URL the gate does not let a request go to; the message says why (never a secret)."""
 
 
+class UnresolvableHost(OutboundRefused):
+    """The URL's host name did not resolve: it may later, unlike the other refusals."""
+
+
 def resolve(host: str, port: int) -> list[str]:
     """Every address ``host`` resolves to (tests replace this function to fake DNS)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as error:
-        raise OutboundRefused(f"cannot resolve {host}: {error}") from None
+        raise UnresolvableHost(f"cannot resolve {host}: {error}") from None
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 

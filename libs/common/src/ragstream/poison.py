@@ -14,7 +14,9 @@ and turns the three ways a message can be unreadable into a ``DeadLetter``:
 The dead letter names the topic, partition and offset, carries the key and value (up to
 ``PAYLOAD_LIMIT``), and the document's header when one can be read; with a header the failure is
 also recorded on the document, so its sync run counts it failed instead of waiting for it, and
-``POST /v1/replays`` can re-drive it. Then the message is acknowledged: the offset moves on.
+``POST /v1/replays`` can re-drive it. Then the message is acknowledged: the offset moves on. In a
+batch (the embedder's subscriber), each poison record is dead-lettered alone and the handler gets the
+others.
 docs/faults.md describes this with the rest of the Kafka mode's faults and the tests that prove it.
 """
 
@@ -190,13 +192,30 @@ async def dead_letter(service: _Service, poison: Poison, step: str) -> DeadLette
 
 class PoisonGuard(BaseMiddleware):
     """Checks each consumed message before its handler; a poison one is dead-lettered and acked
-    (the handler never sees it). Needs the ``service`` context that ``create_service_app`` sets."""
+    (the handler never sees it). A batch subscriber's handler gets the batch without its poison
+    records, or is not called when every record was one. Needs the ``service`` context that
+    ``create_service_app`` sets."""
 
     async def consume_scope(self, call_next: Any, msg: StreamMessage[Any]) -> Any:
-        record = msg.raw_message
+        records = msg.raw_message
+        if isinstance(records, ConsumerRecord):
+            return None if await self._dead_lettered(records) else await call_next(msg)
+        if isinstance(records, tuple | list):
+            kept = [index for index, record in enumerate(records) if not await self._dead_lettered(record)]
+            if not kept:
+                return None
+            if len(kept) < len(records):
+                msg.raw_message = tuple(records[index] for index in kept)
+                msg.body = [msg.body[index] for index in kept]
+                msg.batch_headers = [msg.batch_headers[index] for index in kept]
+                msg.clear_cache()
+        return await call_next(msg)
+
+    async def _dead_lettered(self, record: Any) -> bool:
+        """True when ``record`` of a guarded topic is poison: then its dead letter is published."""
         consumed = CONSUMED.get(record.topic) if isinstance(record, ConsumerRecord) else None
         if consumed is None:
-            return await call_next(msg)
+            return False
         value = record.value if record.value is None or isinstance(record.value, bytes) else bytes(record.value)
         key = record.key if record.key is None or isinstance(record.key, bytes) else bytes(record.key)
         carried = value if value is not None and len(value) <= PAYLOAD_LIMIT else None
@@ -205,7 +224,7 @@ class PoisonGuard(BaseMiddleware):
         )
         poison = inspect(consumed.payload, origin, value)
         if poison is None:
-            return await call_next(msg)
+            return False
         where = f"{record.topic}/{record.partition}@{record.offset}"
         logger.warning("dead-lettering %s: %s (%s)", where, poison.code, poison.reason)
         try:
@@ -214,4 +233,4 @@ class PoisonGuard(BaseMiddleware):
             # PostgreSQL or Kafka is away: not acked, so read again; pause rather than spin meanwhile.
             await asyncio.sleep(_REDELIVERY_PAUSE_S)
             raise
-        return None
+        return True

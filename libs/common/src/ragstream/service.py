@@ -12,7 +12,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from functools import partial
+from typing import Annotated, Any, Protocol, TypeVar
 
 import asyncpg
 from aiokafka.errors import KafkaError
@@ -52,6 +53,16 @@ INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.CrashShutdownError,
     KafkaError,
 )
+
+
+class _DocumentMessage(Protocol):
+    """A consumed message about one document (every stage's input but a deletion)."""
+
+    @property
+    def header(self) -> DocumentHeader: ...
+
+
+_Message = TypeVar("_Message", bound=_DocumentMessage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +106,34 @@ class ServiceContext:
             for output in outputs:
                 await self.publish(produced, output, header.document_id)
         crash_point(f"{self.name}.after_publish")
+
+    async def process_batch(
+        self,
+        step: str,
+        consumed: Topic,
+        messages: Sequence[_Message],
+        produce: Callable[[_Message], Awaitable[Sequence[BaseModel]]],
+        produced: Topic,
+    ) -> None:
+        """A batch subscriber's messages, each through ``process``: the messages of one document in
+        the order consumed (its outputs stay ordered under its key), different documents at once, so
+        their calls can share a provider's batches. Returns when every message's output is published
+        or its failure recorded; an infrastructure error cancels the rest and propagates, and the
+        whole batch is delivered again."""
+        by_document: dict[str, list[_Message]] = {}
+        for message in messages:
+            by_document.setdefault(message.header.document_id, []).append(message)
+
+        async def in_order(document: list[_Message]) -> None:
+            for message in document:
+                await self.process(step, consumed, message.header, partial(produce, message), produced)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for document in by_document.values():
+                    group.create_task(in_order(document))
+        except ExceptionGroup as errors:  # the first document's error, as ``process`` raises it
+            raise errors.exceptions[0] from None
 
     async def fail(self, header: DocumentHeader, step: str, error: Exception) -> None:
         """Record a document's failure as a row and a dead letter; infrastructure errors propagate."""

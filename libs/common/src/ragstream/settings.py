@@ -286,10 +286,11 @@ class Settings(BaseSettings):
     ingest_workers: Annotated[
         int,
         Field(
-            title="Documents in flight in the embedded pipeline",
+            title="Documents in flight per ingest process",
             description=(
-                "Each is parsed, chunked, embedded and committed on its own; enough of them keep the "
-                "embedder's batches full (64 texts for USE, 5 requests of 10 for DashScope)."
+                "The embedded pipeline's workers and the embedder service's messages per batch. Each "
+                "document is embedded and committed on its own; enough of them keep the embedder's "
+                "batches full (64 texts for USE, 5 requests of 10 for DashScope)."
             ),
             ge=1,
         ),
@@ -393,16 +394,17 @@ class Settings(BaseSettings):
     sync_stale_timeout_s: Annotated[
         float,
         Field(
-            title="Seconds without progress after which a running sync counts as stale",
-            description="A new sync of the connection then marks it failed instead of answering 409.",
+            title="Seconds without progress after which a running run (sync, re-index, ...) counts as stale",
+            description="A new run of its kind and scope then marks it failed instead of answering 409.",
             gt=0,
         ),
     ] = 1800
     max_concurrent_syncs: Annotated[
-        int, Field(title="Syncs running at once across replicas", description="The rest wait as queued.", ge=1)
+        int,
+        Field(title="Runs of one kind running at once across replicas", description="The rest wait as queued.", ge=1),
     ] = 2
     sync_progress_interval_s: Annotated[
-        float, Field(title="Seconds between progress writes of a running sync", gt=0, le=5)
+        float, Field(title="Seconds between progress writes of a running run (any kind)", gt=0, le=5)
     ] = 2
     scheduler_enabled: Annotated[
         bool,

@@ -26,10 +26,9 @@ from ragstream.api.auth import Access
 from ragstream.api.control_plane import control_plane_routers, writing_knowledge
 from ragstream.api.http import create_app as create_http_app
 from ragstream.api.knowledge import knowledge_router
-from ragstream.api.replays import ReplayRequest, ReplayResult
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runner import SyncRunner
-from ragstream.control.runs import RagDisabled, SyncInProgress, SyncRunStore
+from ragstream.control.kinds import DEAD_LETTER, FAILURES, run_kinds, topic_replay_kind
+from ragstream.control.runner import Runner
 from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.jobs.sync import SyncJob
@@ -37,8 +36,9 @@ from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters, ensure
 from ragstream.logs import configure_logging
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.settings import Settings
-from ragstream.stages.replay import ReplayService
 from ragstream.storage.database import ping
+from ragstream.storage.downstream import DownstreamStore
+from ragstream.storage.runs import RagDisabled, RunInProgress, RunStore
 from ragstream.transport.kafka import KafkaTransport
 
 __all__ = ["FetcherSettings", "create_app"]
@@ -117,38 +117,31 @@ def create_app() -> FastAPI:
 @asynccontextmanager
 async def _control_plane(
     app: FastAPI, runtime: Runtime, broker: KafkaBroker, own_folders: list[Path]
-) -> AsyncIterator[SyncRunner]:
+) -> AsyncIterator[Runner]:
     """The runner of sync jobs over Kafka, and the control-plane routes of ``ragstream up`` on ``app``."""
     settings = runtime.settings
-    # One per process: its session owns the runs this fetcher is executing (see SyncRunStore).
-    runs = SyncRunStore(
+    # One per process: its session owns the runs this fetcher is executing (see RunStore).
+    runs = RunStore(
         runtime.pool,
         runtime.dsn,
         stale_timeout_s=settings.sync_stale_timeout_s,
         cipher=CredentialCipher.from_settings(settings),
     )
-    transport = KafkaTransport(broker, runs, poll_interval_s=settings.sync_progress_interval_s)
+    transport = KafkaTransport(broker, DownstreamStore(runtime.pool), poll_interval_s=settings.sync_progress_interval_s)
     job = SyncJob(runtime.store, transport, max_document_bytes=settings.max_document_bytes)
-    runner = SyncRunner(
+    # A replay publishes the failed documents to doc.changed again, from the failures table or the
+    # dead-letter topic; the stage services take it from there.
+    replay = topic_replay_kind(
+        runtime.store, KafkaChangeSink(broker), lambda: dead_letters(settings.kafka_bootstrap_servers)
+    )
+    runner = Runner(
         runs,
-        lambda: job,
+        run_kinds(runs, lambda: job, runtime.reindexer(), runtime.rechunker(), replay),
         max_concurrent=settings.max_concurrent_syncs,
         progress_interval_s=settings.sync_progress_interval_s,
     )
-    reindexer, rechunker = runtime.reindexer(), runtime.rechunker()
 
-    async def replay(request: ReplayRequest) -> ReplayResult:
-        """Publish the failed documents to ``doc.changed`` again, from the failures table or the
-        dead-letter topic; the stage services take it from there."""
-        service, sink = ReplayService(runtime.store), KafkaChangeSink(broker)
-        if request.source == "dead-letter":
-            letters = dead_letters(settings.kafka_bootstrap_servers)
-            counts = await service.dead_letters(letters, sink, request.connection_id)
-        else:
-            counts = await service.failures(sink, request.connection_id)
-        return ReplayResult(replayed=counts.replayed, needs_sync=counts.needs_sync, resolved=counts.resolved)
-
-    for router in control_plane_routers(runtime, runs, runner, reindexer, rechunker, replay, own_folders=own_folders):
+    for router in control_plane_routers(runtime, runs, runner, [FAILURES, DEAD_LETTER], own_folders=own_folders):
         app.include_router(router)
     # The knowledge tool's writes start a sync run, which only the control plane can: here they are
     # served (the retriever serves the read-side actions and answers writes with not_served_here).
@@ -158,18 +151,16 @@ async def _control_plane(
         yield runner
     finally:
         await runs.aclose()
-        await reindexer.aclose()
-        await rechunker.aclose()
 
 
-async def _timer(runtime: Runtime, runner: SyncRunner, fetcher: FetcherSettings) -> None:
+async def _timer(runtime: Runtime, runner: Runner, fetcher: FetcherSettings) -> None:
     """Queue a sync of each of ``RAGSTREAM_FETCHER_FOLDERS`` every ``interval_s``."""
     while True:
         for folder in fetcher.folders:
             try:
                 connection_id = await register_folder(runtime.store, folder)
                 await runner.runs.start(connection_id, "schedule")
-            except (SyncInProgress, RagDisabled, NotADirectoryError) as error:
+            except (RunInProgress, RagDisabled, NotADirectoryError) as error:
                 logger.warning("timed sync of %s not started: %s", folder, error)
         runner.wake()
         await asyncio.sleep(fetcher.interval_s)

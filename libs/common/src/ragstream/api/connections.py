@@ -50,10 +50,11 @@ ConnectionHook = Callable[[str], Awaitable[None]]
 """Called with a connection id after the change is committed, e.g. to start a sync."""
 
 RechunkHook = Callable[[str, ChunkingConfig], Awaitable[None]]
-"""Starts rebuilding a connection's chunks with a new chunking config (``Rechunker.start``)."""
+"""Queues a re-chunk run of a connection with a new chunking config (``api.rechunk.connection_rechunk``)."""
 
 EmbeddingHook = Callable[[str, dict[str, Any] | None], Awaitable[None]]
-"""Starts re-indexing a connection into a model's space (``Reindexer.start``; ``None``: the default's)."""
+"""Queues a re-index run of a connection into a model's space (``api.reindex.connection_reindex``; ``None``: the
+default's)."""
 
 EmbeddingResolver = Callable[[dict[str, Any]], Awaitable[tuple[str, int]]]
 """The model key and dimension of the embedder a spec builds (``ActiveSpace.resolve``); ``ValueError``."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,10 +14,10 @@ from pydantic import BaseModel, Field
 
 from ragstream.connectors.folder import FolderConnector, FolderNotAllowed, confined_folder
 from ragstream.connectors.registry import register_folder
-from ragstream.control.runs import RagDisabled, RunStatus, SyncInProgress, SyncRun, SyncRunStore
 from ragstream.jobs.progress import SyncProgress
 from ragstream.storage.cursors import Direction
 from ragstream.storage.documents import DocumentStore
+from ragstream.storage.runs import RagDisabled, Run, RunInProgress, RunStatus, RunStore
 
 __all__ = [
     "ConnectionSyncStatus",
@@ -28,6 +27,7 @@ __all__ = [
     "SyncError",
     "SyncRunView",
     "folder_syncs_router",
+    "sync_counts",
     "sync_router",
 ]
 
@@ -40,7 +40,21 @@ SyncError = Annotated[
     ),
 ]
 
-StatusLabel = Literal["Queued", "Syncing", "Ready", "Failed"]
+StatusLabel = Literal["Queued", "Syncing", "Ready", "Failed", "Cancelled"]
+
+
+# The counts of a sync's progress document that the view shows as they are.
+_COUNT_NAMES = ("listed", "unchanged", "changed", "indexed", "deleted", "failed", "chunks", "skipped")
+
+
+def sync_counts(progress: Mapping[str, Any]) -> dict[str, Any]:
+    """A sync's counts from its run's progress document: zero before its first progress write."""
+    return {
+        **{name: progress.get(name, 0) for name in _COUNT_NAMES},
+        "listing_done": progress.get("listing_done", False),
+        "direction": progress.get("direction"),
+        "resumed": progress.get("resumed", False),
+    }
 
 
 class SyncRunView(BaseModel):
@@ -84,26 +98,18 @@ class SyncRunView(BaseModel):
     finished_at: Annotated[datetime | None, Field(title="Finished at")] = None
 
     @classmethod
-    def of(cls, run: SyncRun) -> SyncRunView:
+    def of(cls, run: Run) -> SyncRunView:
+        counts = run.progress
+        assert run.connection_id is not None, "a sync run has a connection"
         return cls(
             id=run.id,
             connection_id=run.connection_id,
             trigger=run.trigger,
             status=status_label(run.status),
-            reason=run.reason,
-            listed=run.counts.listed,
-            unchanged=run.counts.unchanged,
-            changed=run.counts.changed,
-            indexed=run.counts.indexed,
-            deleted=run.counts.deleted,
-            failed=run.counts.failed,
-            chunks=run.counts.chunks,
-            listing_done=run.counts.listing_done,
-            direction=run.counts.direction,
-            resumed=run.counts.resumed,
-            skipped=run.counts.skipped,
-            rate=run.rate,
-            eta_seconds=run.eta_seconds,
+            reason=run.error,
+            **sync_counts(counts),
+            rate=counts.get("rate"),
+            eta_seconds=counts.get("eta_seconds"),
             created_at=run.created_at,
             started_at=run.started_at,
             heartbeat_at=run.heartbeat_at,
@@ -122,23 +128,24 @@ class ConnectionSyncStatus(BaseModel):
 def status_label(status: RunStatus) -> StatusLabel:
     labels: dict[RunStatus, StatusLabel] = {
         RunStatus.QUEUED: "Queued",
-        RunStatus.SYNCING: "Syncing",
-        RunStatus.READY: "Ready",
+        RunStatus.RUNNING: "Syncing",
+        RunStatus.SUCCEEDED: "Ready",
         RunStatus.FAILED: "Failed",
+        RunStatus.CANCELLED: "Cancelled",
     }
     return labels[status]
 
 
-def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[], None] | None = None) -> APIRouter:
+def sync_router(runs: Callable[[], RunStore | None], on_enqueued: Callable[[], None] | None = None) -> APIRouter:
     """``runs`` is a getter because the app starts before the store is open (503 until then);
     ``on_enqueued`` tells the local runner to claim a new run now rather than at its next poll."""
     router = APIRouter(prefix="/v1/connections", tags=["syncs"])
 
-    async def store_of(connection_id: str) -> SyncRunStore:
+    async def store_of(connection_id: str) -> RunStore:
         store = runs()
         if store is None:
             raise HTTPException(status_code=503, detail="the index is still starting")
-        if await store.connection(connection_id) is None:
+        if await store.connections.get(connection_id) is None:
             raise HTTPException(status_code=404, detail="connection not found")
         return store
 
@@ -156,7 +163,7 @@ def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[
         store = await store_of(connection_id)
         try:
             run = await store.start(connection_id, "api")
-        except (SyncInProgress, RagDisabled) as error:
+        except (RunInProgress, RagDisabled) as error:
             raise HTTPException(status_code=409, detail=str(error)) from error
         if on_enqueued is not None:
             on_enqueued()
@@ -180,7 +187,7 @@ def sync_router(runs: Callable[[], SyncRunStore | None], on_enqueued: Callable[[
         return ConnectionSyncStatus(
             connection_id=connection_id,
             status=status_label(latest.status),
-            reason=latest.reason,
+            reason=latest.error,
             sync_error=sync_error,
             progress=SyncRunView.of(latest),
         )
@@ -202,18 +209,26 @@ class FolderSyncRequest(BaseModel):
 class FolderSyncStatus(BaseModel):
     connection_id: Annotated[str, Field(title="Connection id of the folder")]
     state: Annotated[
-        Literal["syncing", "ready", "failed"],
+        Literal["syncing", "ready", "failed", "cancelled"],
         Field(title="The latest run", description="syncing while queued or running; ready: all of it searchable."),
     ]
     counts: Annotated[dict[str, Any], Field(title="The latest run's counts", description="As in SyncRunView.")]
     error: Annotated[str | None, Field(title="Why the latest run failed")] = None
 
     @classmethod
-    def of(cls, run: SyncRun) -> FolderSyncStatus:
-        state: Literal["syncing", "ready", "failed"] = (
-            "ready" if run.status is RunStatus.READY else "failed" if run.status is RunStatus.FAILED else "syncing"
+    def of(cls, run: Run) -> FolderSyncStatus:
+        states: dict[RunStatus, Literal["syncing", "ready", "failed", "cancelled"]] = {
+            RunStatus.SUCCEEDED: "ready",
+            RunStatus.FAILED: "failed",
+            RunStatus.CANCELLED: "cancelled",
+        }
+        assert run.connection_id is not None, "a sync run has a connection"
+        return cls(
+            connection_id=run.connection_id,
+            state=states.get(run.status, "syncing"),
+            counts=sync_counts(run.progress),
+            error=run.error,
         )
-        return cls(connection_id=run.connection_id, state=state, counts=asdict(run.counts), error=run.reason)
 
 
 class LiveSync(BaseModel):
@@ -257,7 +272,7 @@ class LiveSync(BaseModel):
 
 
 def folder_syncs_router(
-    runs: SyncRunStore,
+    runs: RunStore,
     store: DocumentStore,
     live: Callable[[], Mapping[str, SyncProgress]],
     on_enqueued: Callable[[], None],
@@ -303,7 +318,7 @@ def folder_syncs_router(
         connection_id = await register_folder(store, folder)
         try:
             run = await runs.start(connection_id, "api")
-        except (SyncInProgress, RagDisabled) as error:
+        except (RunInProgress, RagDisabled) as error:
             raise HTTPException(status_code=409, detail=str(error)) from error
         on_enqueued()
         return FolderSyncStatus.of(run)

@@ -1,10 +1,15 @@
-"""Runs claimed sync runs through a sync job (over either transport) and writes their progress back.
+"""The one runner of every kind of run: claims queued runs, executes each through its kind's job, and
+writes its progress back with the heartbeat.
 
-``ragstream up`` and the connector-fetcher both run this one runner: only the job's transport differs.
+``ragstream up`` and the connector-fetcher both run this runner with the same kinds (``control.kinds``):
+only a sync job's transport and a replay's source differ by mode. A kind is one async function of a
+``JobContext`` in the registry the runner is given: adding a kind is that function and its entry.
 
-A run never stays ``syncing`` because of this process: every exception, and a shutdown, ends it
-``failed`` with a reason. The heartbeat only moves when the counters move, so a sync that hangs
-(a platform call that never answers) goes stale and another start can replace it.
+A run never stays ``running`` because of this process: every exception, and a shutdown, ends it
+``failed`` with a reason. The heartbeat only moves when the counts move, so a job that hangs (a
+platform call that never answers) goes stale and another start can replace it. A cancel asked for
+by any process (``RunStore.request_cancel``) is seen at the next heartbeat: the job's task is
+cancelled and the run ends ``cancelled``.
 """
 
 from __future__ import annotations
@@ -12,25 +17,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from ragstream.connectors.registry import NoConnector, connector_for
-from ragstream.control.runs import CONNECTION_ERRORS, RunCounts, RunStatus, SyncRun, SyncRunStore
+from ragstream.connectors.registry import NoConnector
 from ragstream.degradation import EmbeddingDegraded
-from ragstream.jobs.progress import SyncProgress
-from ragstream.jobs.sync import SyncJob, SyncReport
+from ragstream.jobs.progress import RunProgress, SyncProgress
+from ragstream.logs import log_context
+from ragstream.metrics import RUNS_FINISHED
+from ragstream.storage.runs import CONNECTION_ERRORS, Run, RunStatus, RunStore
 
-__all__ = ["RunExecution", "RunOutcome", "SyncRunner", "failure_reason"]
+__all__ = [
+    "CANCELLED_ON_REQUEST",
+    "PROCESS_STOPPED",
+    "Job",
+    "JobContext",
+    "RunExecution",
+    "RunOutcome",
+    "Runner",
+    "failure_reason",
+]
 
 logger = logging.getLogger(__name__)
 
-_Result = TypeVar("_Result")
-
+CANCELLED_ON_REQUEST = "cancelled on request"
+PROCESS_STOPPED = "cancelled: the process stopped"
 # How long a run whose database went away keeps trying to record how it ended, and how often.
 _FINISH_PATIENCE_S = 120.0
 _FINISH_RETRY_S = 1.0
+# Of a progress document, what moves the heartbeat: the counts, not the rate and ETA the clock moves.
+_CLOCK_FIELDS = frozenset({"rate", "eta_seconds"})
 
 
 def failure_reason(error: BaseException) -> str:
@@ -42,130 +59,168 @@ def failure_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
 
 
+class JobContext:
+    """What a job sees of its run: the row (``params`` has what it needs) and ``publish`` for its
+    progress, written to the row at the next heartbeat."""
+
+    def __init__(self, run: Run, observe: Callable[[RunProgress], None]) -> None:
+        self.run = run
+        self.progress: RunProgress | None = None
+        self._observe = observe
+
+    def publish(self, progress: RunProgress) -> None:
+        self.progress = progress
+        self._observe(progress)
+
+    def document(self) -> dict[str, Any]:
+        """The progress document to write: the latest published, else the row's own."""
+        return self.progress.document() if self.progress is not None else dict(self.run.progress)
+
+
+# A kind: runs the job of a claimed run to its end and returns what the caller may want (a sync's
+# report); raising fails the run with the error as its reason.
+Job = Callable[[JobContext], Awaitable[object]]
+
+
 @dataclass(frozen=True, slots=True)
 class RunOutcome:
-    """How a run ended: its final row (None if it was failed as stale meanwhile) and the job's
-    report (None when the sync did not complete)."""
+    """How a run ended: its final row (None if it was failed as stale meanwhile), the job's result
+    (None when the job did not complete) and, when the job failed, what it raised (for a caller that
+    answers in the request, such as a replay)."""
 
-    run: SyncRun | None
-    report: SyncReport | None
+    run: Run | None
+    result: object | None
+    error: Exception | None = None
 
 
 class RunExecution:
-    """One claimed (syncing) run that this process executes, to ready or failed.
+    """One claimed (running) run that this process executes, to succeeded, failed or cancelled.
 
-    The work publishes its latest ``progress``; every ``progress_interval_s`` it is written, the
-    heartbeat moving only when the counts did (so a hung sync goes stale). A lost write is not worth
-    failing the sync for. A write that finds the run no longer syncing (failed elsewhere as stale or
-    ownerless, maybe replaced already) cancels the work, which must not go on moving the cursors a
-    replacement resumes, and releases the run's owner lock. Every exception, and a shutdown, ends the
-    run failed with a reason: the run never stays syncing because of this process."""
+    Every ``progress_interval_s`` the job's latest progress is written, the heartbeat moving only
+    when the counts did (so a hung job goes stale). A lost write is not worth failing the run for. A
+    write that finds the run no longer running (failed elsewhere as stale or ownerless, maybe
+    replaced already) cancels the job, which must not go on moving what a replacement resumes, and
+    releases the run's owner lock; one that finds a cancel requested cancels the job and ends the run
+    cancelled. Every exception, and a shutdown, ends the run failed with a reason."""
 
-    def __init__(self, runs: SyncRunStore, run: SyncRun, *, progress_interval_s: float) -> None:
-        self.run = run
-        self.progress = SyncProgress()
+    def __init__(self, runs: RunStore, context: JobContext, *, progress_interval_s: float) -> None:
+        self.context = context
         self._runs = runs
         self._interval_s = progress_interval_s
         self._abandoned = False
+        self._cancel_requested = False
 
-    async def execute(
-        self, work: Coroutine[Any, Any, _Result], final: Callable[[_Result], SyncProgress]
-    ) -> tuple[SyncRun | None, _Result | None]:
-        """Run ``work`` as this run; ``final`` gives the progress of a run that completed. Returns the
-        finished row (None when the run was failed elsewhere) and the work's result (None unless it
-        completed)."""
-        run = self.run
+    async def execute(self, work: Coroutine[Any, Any, object]) -> RunOutcome:
+        run = self.context.run
         try:
             task = asyncio.create_task(work)
             writer = asyncio.create_task(self._write_progress(task))
             try:
                 result = await task
             except asyncio.CancelledError:
-                if not self._abandoned:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
                     raise
-                logger.warning("sync run %s was failed elsewhere (stale or ownerless); stopped", run.id)
-                await self._runs.release(run.id)
-                return None, None
+                if self._abandoned:
+                    logger.warning("%s run %s was failed elsewhere (stale or ownerless); stopped", run.kind, run.id)
+                    await self._runs.release(run.id)
+                    return RunOutcome(None, None)
+                if not self._cancel_requested:
+                    raise
+                logger.info("%s run %s cancelled on request", run.kind, run.id)
+                return RunOutcome(await self._finish(RunStatus.CANCELLED, CANCELLED_ON_REQUEST), None)
             finally:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await writer
         except asyncio.CancelledError:
             with contextlib.suppress(*CONNECTION_ERRORS):  # the database is gone too: reap fails the run
-                await self._runs.finish(
-                    run.id,
-                    RunStatus.FAILED,
-                    "cancelled: the process stopped",
-                    self.progress.run_counts(),
-                    self.progress.rate,
-                )
+                if await self._runs.finish(run.id, RunStatus.FAILED, PROCESS_STOPPED, self.context.document()):
+                    RUNS_FINISHED.labels(run.kind, RunStatus.FAILED.value).inc()
             raise
-        except Exception as error:  # any failure ends the run failed, with its reason, never syncing
-            logger.warning("sync run %s of %s failed", run.id, run.connection_id, exc_info=True)
-            return await self._finish(RunStatus.FAILED, failure_reason(error), self.progress), None
-        return await self._finish(RunStatus.READY, None, final(result)), result
+        except Exception as error:  # any failure ends the run failed, with its reason, never running
+            logger.warning("%s run %s of %s failed", run.kind, run.id, run.connection_id, exc_info=True)
+            return RunOutcome(await self._finish(RunStatus.FAILED, failure_reason(error)), None, error)
+        return RunOutcome(await self._finish(RunStatus.SUCCEEDED, None), result)
 
-    async def _finish(self, status: RunStatus, reason: str | None, progress: SyncProgress) -> SyncRun | None:
-        """End the run; while the database is unreachable (it failed the sync, maybe, and is being
+    async def _finish(self, status: RunStatus, reason: str | None) -> Run | None:
+        """End the run; while the database is unreachable (it failed the job, maybe, and is being
         restarted), try again for ``_FINISH_PATIENCE_S``. Then give up: the run's owner session is
         gone with the database, so the next reap fails it as ownerless."""
+        run_id = self.context.run.id
         deadline = asyncio.get_running_loop().time() + _FINISH_PATIENCE_S
         while True:
             try:
-                return await self._runs.finish(self.run.id, status, reason, progress.run_counts(), progress.rate)
+                finished = await self._runs.finish(run_id, status, reason, self.context.document())
+                if finished is not None:  # None: ended elsewhere already (reaped as stale or ownerless)
+                    RUNS_FINISHED.labels(self.context.run.kind, status.value).inc()
+                return finished
             except CONNECTION_ERRORS as error:
                 if asyncio.get_running_loop().time() > deadline:
-                    logger.warning("sync run %s not finished, the database stays unreachable: %s", self.run.id, error)
+                    logger.warning("run %s not finished, the database stays unreachable: %s", run_id, error)
                     return None
-                logger.info("sync run %s: finishing waits for the database: %s", self.run.id, error)
+                logger.info("run %s: finishing waits for the database: %s", run_id, error)
             await asyncio.sleep(_FINISH_RETRY_S)
 
     async def _write_progress(self, work: asyncio.Task[Any]) -> None:
-        last = RunCounts()
+        run_id = self.context.run.id
+        last = _counts(self.context.document())
         while True:
             await asyncio.sleep(self._interval_s)
-            progress = self.progress
-            counts = progress.run_counts()
+            document = self.context.document()
+            counts = _counts(document)
             try:
-                still_running = await self._runs.progress(
-                    self.run.id, counts, progress.rate, progress.eta_seconds, moved=counts != last
-                )
+                beat = await self._runs.progress(run_id, document, moved=counts != last)
             except CONNECTION_ERRORS as error:
-                # A lost progress write is not worth failing the sync for; the next one catches up.
-                logger.warning("progress of sync run %s not written: %s", self.run.id, error)
+                # A lost progress write is not worth failing the run for; the next one catches up.
+                logger.warning("progress of run %s not written: %s", run_id, error)
                 continue
-            if not still_running:
-                self._abandoned = True
+            if not beat.running or beat.cancel_requested:
+                self._abandoned = not beat.running
+                self._cancel_requested = beat.cancel_requested
                 work.cancel()
                 return
             last = counts
 
 
-class SyncRunner:
-    """Claims queued runs within ``max_concurrent`` (across replicas) and runs each to its end."""
+def _counts(document: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in document.items() if name not in _CLOCK_FIELDS}
+
+
+class Runner:
+    """Claims queued runs of the kinds it knows, within ``max_concurrent`` per kind (across
+    replicas), and runs each to its end."""
 
     def __init__(
         self,
-        runs: SyncRunStore,
-        job: Callable[[], SyncJob],
+        runs: RunStore,
+        kinds: Mapping[str, Job],
         *,
         max_concurrent: int = 2,
         progress_interval_s: float = 2.0,
         poll_interval_s: float = 5.0,
     ) -> None:
         self.runs = runs
-        self._job = job
+        self.kinds = dict(kinds)
         self._max_concurrent = max_concurrent
         self._progress_interval_s = progress_interval_s
         self._poll_interval_s = poll_interval_s
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[RunOutcome]] = set()
-        # The latest progress per connection: the live view of GET /v1/syncs.
-        self.live: dict[str, SyncProgress] = {}
+        # The latest progress of each kind and scope run here: the live view of GET /v1/syncs.
+        self.live: dict[tuple[str, str | None], RunProgress] = {}
 
     def wake(self) -> None:
         """Look for queued runs now instead of at the next poll (a run was just enqueued)."""
         self._wake.set()
+
+    def live_syncs(self) -> dict[str, SyncProgress]:
+        """The latest progress of each connection's sync run here."""
+        return {
+            connection_id: progress
+            for (kind, connection_id), progress in self.live.items()
+            if kind == "sync" and connection_id is not None and isinstance(progress, SyncProgress)
+        }
 
     async def serve(self) -> None:
         """Claim and run queued runs until cancelled; running ones are then failed as cancelled."""
@@ -174,7 +229,7 @@ class SyncRunner:
                 try:
                     await self.claim_pending()
                 except CONNECTION_ERRORS as error:
-                    logger.warning("claiming sync runs failed, retrying: %s", error)
+                    logger.warning("claiming runs failed, retrying: %s", error)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self._poll_interval_s)
                 self._wake.clear()
@@ -188,7 +243,7 @@ class SyncRunner:
         allows, each in its own task."""
         await self.runs.reap()
         started = []
-        while (run := await self.runs.claim(self._max_concurrent)) is not None:
+        while (run := await self.runs.claim(self._max_concurrent, self.kinds)) is not None:
             task = asyncio.create_task(self.execute(run))
             self._tasks.add(task)
             task.add_done_callback(self._finished)
@@ -198,26 +253,29 @@ class SyncRunner:
     def _finished(self, task: asyncio.Task[RunOutcome]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
-            logger.error("sync run task failed", exc_info=error)
+            logger.error("run task failed", exc_info=error)
         self.wake()  # a slot is free
 
-    async def execute(self, run: SyncRun, observe: Callable[[SyncProgress], None] | None = None) -> RunOutcome:
-        """Run one claimed (syncing) run to ready or failed; ``observe`` also sees every update."""
-        execution = RunExecution(self.runs, run, progress_interval_s=self._progress_interval_s)
+    async def execute(self, run: Run, observe: Callable[[RunProgress], None] | None = None) -> RunOutcome:
+        """Run one claimed (running) run to its end; ``observe`` also sees every progress update."""
 
-        def notify(progress: SyncProgress) -> None:
-            execution.progress = progress
-            self.live[run.connection_id] = progress
+        def notify(progress: RunProgress) -> None:
+            self.live[run.kind, run.connection_id] = progress
             if observe is not None:
                 observe(progress)
 
-        async def sync() -> SyncReport:
-            row = await self.runs.connection(run.connection_id)
-            if row is None:
-                raise NoConnector(f"connection {run.connection_id} no longer exists")
-            return await self._job().sync(connector_for(row), notify)
+        context = JobContext(run, notify)
+        execution = RunExecution(self.runs, context, progress_interval_s=self._progress_interval_s)
+        job = self.kinds.get(run.kind)
+        with log_context(connection_id=run.connection_id, run_id=str(run.id)):
+            if job is None:
+                return await execution.execute(_unknown_kind(run.kind))
+            return await execution.execute(_call(job, context))
 
-        def final(report: SyncReport) -> SyncProgress:
-            return report.progress
 
-        return RunOutcome(*await execution.execute(sync(), final))
+async def _call(job: Job, context: JobContext) -> object:
+    return await job(context)
+
+
+async def _unknown_kind(kind: str) -> object:
+    raise LookupError(f"this process runs no {kind} jobs")

@@ -16,13 +16,14 @@ from collections.abc import Callable
 
 import asyncpg
 
-from ragstream.control.runs import (
+from ragstream.storage.runs import (
     CONNECTION_ERRORS,
     RagDisabled,
-    SyncInProgress,
-    SyncRun,
-    SyncRunStore,
-    connect_session,
+    Run,
+    RunInProgress,
+    RunStore,
+    still_leading,
+    try_lead,
 )
 
 __all__ = ["SCHEDULER_LOCK", "Scheduler"]
@@ -37,7 +38,7 @@ class Scheduler:
     def __init__(
         self,
         dsn: str,
-        runs: SyncRunStore,
+        runs: RunStore,
         *,
         interval_s: float = 30.0,
         on_enqueued: Callable[[], None] | None = None,
@@ -65,9 +66,9 @@ class Scheduler:
         finally:
             await self.stop()
 
-    async def step(self) -> list[SyncRun]:
+    async def step(self) -> list[Run]:
         """Become (or check that we still are) the leader; as leader, enqueue the due connections."""
-        if self._lock is not None and not await self._still_leading(self._lock):
+        if self._lock is not None and not await still_leading(self._lock):
             await self.stop()
         if self._lock is None:
             await self._try_lead()
@@ -78,35 +79,16 @@ class Scheduler:
         enqueued = []
         for connection_id in await self._runs.due():
             # A sync on request got there first, or RAG was switched off since due() read it.
-            with contextlib.suppress(SyncInProgress, RagDisabled):
+            with contextlib.suppress(RunInProgress, RagDisabled):
                 enqueued.append(await self._runs.start(connection_id, "schedule"))
         if enqueued and self._on_enqueued is not None:
             self._on_enqueued()
         return enqueued
 
     async def _try_lead(self) -> None:
-        # Idle between steps: a server idle_session_timeout must not end the leadership.
-        connection = await connect_session(self._dsn)
-        try:
-            if await connection.fetchval("SELECT pg_try_advisory_lock($1)", SCHEDULER_LOCK):
-                self._lock = connection
-                logger.info("this process now schedules syncs")
-                return
-        except BaseException:
-            await connection.close()
-            raise
-        await connection.close()
-
-    @staticmethod
-    async def _still_leading(connection: asyncpg.Connection) -> bool:
-        """False when the lock's connection is gone (and with it the lock)."""
-        if connection.is_closed():
-            return False
-        try:
-            await connection.fetchval("SELECT 1")
-        except CONNECTION_ERRORS:
-            return False
-        return True
+        self._lock = await try_lead(self._dsn, SCHEDULER_LOCK)
+        if self._lock is not None:
+            logger.info("this process now schedules syncs")
 
     async def stop(self) -> None:
         """Give up leadership, so a follower takes over at its next step."""

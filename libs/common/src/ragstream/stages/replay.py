@@ -8,14 +8,14 @@ loses cleanly: stages skip superseded versions and the indexer never commits an 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 
 from ragstream.messages import DeadLetter, DocumentChanged, DocumentHeader
 from ragstream.stages.fetch import ChangeSink
 from ragstream.storage.documents import DocumentStore
 
-__all__ = ["ReplayCounts", "ReplayService"]
+__all__ = ["OnReplayed", "ReplayCounts", "ReplayService"]
 
 
 @dataclass(slots=True)
@@ -27,19 +27,36 @@ class ReplayCounts:
     resolved: int = 0
 
 
+OnReplayed = Callable[[ReplayCounts], None]
+"""Sees the counts after every document re-driven or found resolved: a long replay shows progress."""
+
+
+def _unobserved(counts: ReplayCounts) -> None:
+    """The default :data:`OnReplayed`: nobody watches this replay."""
+
+
 class ReplayService:
     def __init__(self, store: DocumentStore) -> None:
         self._store = store
 
-    async def failures(self, sink: ChangeSink, connection_id: str | None = None) -> ReplayCounts:
+    async def failures(
+        self, sink: ChangeSink, connection_id: str | None = None, on_replayed: OnReplayed = _unobserved
+    ) -> ReplayCounts:
         """Re-drive every replayable failure (of one connection, or all)."""
         headers, needs_sync = await self._store.replayable(connection_id)
+        counts = ReplayCounts(needs_sync=needs_sync)
         for header in headers:
             await sink.changed(DocumentChanged(header=header))
-        return ReplayCounts(replayed=len(headers), needs_sync=needs_sync)
+            counts.replayed += 1
+            on_replayed(counts)
+        return counts
 
     async def dead_letters(
-        self, letters: AsyncIterable[DeadLetter], sink: ChangeSink, connection_id: str | None = None
+        self,
+        letters: AsyncIterable[DeadLetter],
+        sink: ChangeSink,
+        connection_id: str | None = None,
+        on_replayed: OnReplayed = _unobserved,
     ) -> ReplayCounts:
         """Re-drive the dead letters that are still their document's failing version.
 
@@ -63,4 +80,5 @@ class ReplayService:
                 counts.replayed += 1
             else:
                 counts.resolved += 1
+            on_replayed(counts)
         return counts

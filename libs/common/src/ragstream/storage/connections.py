@@ -235,7 +235,7 @@ class ConnectionStore:
             for table in ("staged_documents", "pending_batches", "conversation_citations"):
                 await connection.execute(f"DELETE FROM {identifier(table)} WHERE document_id = ANY($1::text[])", ids)
             await connection.execute("DELETE FROM staged_documents WHERE connection_id = $1", connection_id)
-            # Cascades: documents -> chunks -> embeddings_<n>, document_failures, sync_runs, sync_cursors.
+            # Cascades: documents -> chunks -> embeddings_<n>, document_failures, runs, sync_cursors.
             deleted = await connection.fetchrow(
                 "DELETE FROM connections WHERE id = $1 RETURNING id, embedding_model_key", connection_id
             )

@@ -45,7 +45,7 @@ class SyncCursor:
 
 
 class SyncCursorStore:
-    """Every read and write of ``sync_cursors``. One sync per connection runs at a time (``sync_runs``),
+    """Every read and write of ``sync_cursors``. One sync per connection runs at a time (``runs``),
     so a cursor has one writer; the row lock in ``begin`` only guards against a stray second one."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:

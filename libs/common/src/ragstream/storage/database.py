@@ -141,13 +141,14 @@ async def pending_migrations(dsn: str) -> list[str]:
     return [entry.name for entry in _migration_files() if entry.name not in done]
 
 
-async def apply_migrations(dsn: str) -> list[str]:
-    """Apply the numbered ``migrations/*.sql`` files not applied yet, each in its own transaction.
+async def apply_migrations(dsn: str, *, through: str | None = None) -> list[str]:
+    """Apply the numbered ``migrations/*.sql`` files not applied yet, each in its own transaction;
+    with ``through``, only those up to that file name (a database left at an older schema).
 
     An advisory lock serialises concurrent starts: five services booting at once against an empty
     database must not race to create the same tables.
     """
-    files = _migration_files()
+    files = [entry for entry in _migration_files() if through is None or entry.name <= through]
     connection = await asyncpg.connect(dsn)
     applied: list[str] = []
     try:

@@ -461,7 +461,9 @@ class EmbeddedPostgres:
             return
         os.kill(pid, signal.SIGINT)  # fast mode: roll back open transactions
         deadline = time.monotonic() + timeout
-        while self._postmaster_pid() is not None:
+        # The pid file goes a moment before the process: wait for both, so a caller that starts
+        # another server on the data dir (or checks none runs) never meets the exiting one.
+        while self._postmaster_pid() is not None or _running(pid):
             if time.monotonic() > deadline:
                 raise self._error(f"postgres (pid {pid}) runs after {timeout:.0f}s")
             time.sleep(0.05)
@@ -540,6 +542,15 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    """Process ``pid`` exists and has not exited (a zombie not reaped yet has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in "ZX"
 
 
 def _attached(shmid: str) -> bool:

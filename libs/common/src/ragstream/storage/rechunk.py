@@ -1,4 +1,5 @@
-"""Index versions of a connection's chunks: the SQL of a re-chunk run, its switch, and its run rows.
+"""Index versions of a connection's chunks: the SQL of a re-chunk run and its switch (its run row is
+one of ``runs``, ``storage.runs``).
 
 Migration 0010 explains the design: chunks carry the index version they were made for, search reads
 the connection's active one, a run fills the next one document by document and switches it in.
@@ -7,11 +8,10 @@ the connection's active one, a run fills the next one document by document and s
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 import asyncpg
 
@@ -19,19 +19,16 @@ from ragstream.core.errors import Conflict
 from ragstream.core.vectors import Vectors
 from ragstream.messages import ChunkPayload
 from ragstream.storage.documents import chunk_id, write_chunks
+from ragstream.storage.run_params import latest_params, record_params
 from ragstream.storage.spaces import UnknownConnection, lock_space
 
 __all__ = [
     "RebuiltChunks",
     "RechunkBusy",
     "RechunkDocument",
-    "RechunkRun",
-    "RechunkRunStatus",
     "RechunkStore",
     "UnknownConnection",
 ]
-
-RechunkRunStatus = Literal["running", "switched", "failed", "interrupted"]
 
 # One run per connection at a time, across processes: a session lock that dies with its connection
 # when the process does (two-key form: this namespace, the connection id's hash).
@@ -65,32 +62,6 @@ class RebuiltChunks:
     model_key: str
 
 
-@dataclass(frozen=True, slots=True)
-class RechunkRun:
-    id: int
-    connection_id: str
-    index_version: int
-    chunking: dict[str, Any]
-    status: RechunkRunStatus
-    error: str | None
-    documents_total: int
-    documents_done: int
-    documents_failed: int
-    chunks: int
-    rate: float | None
-    eta_seconds: float | None
-    started_at: datetime
-    heartbeat_at: datetime
-    finished_at: datetime | None
-
-
-def _run(row: asyncpg.Record) -> RechunkRun:
-    values = {name: row[name] for name in RechunkRun.__dataclass_fields__}
-    if isinstance(values["chunking"], str):
-        values["chunking"] = json.loads(values["chunking"])
-    return RechunkRun(**values)
-
-
 # Indexed documents of the connection without chunks of the target version, by id (keyset paging:
 # a pass reads each once, however many are edited behind it). The ACL is the document's, which
 # every chunk of the active version carries.
@@ -111,47 +82,35 @@ class RechunkStore:
 
     @asynccontextmanager
     async def exclusive(self, connection_id: str) -> AsyncIterator[None]:
-        """Hold the connection's re-chunk lock for the block; ``RechunkBusy`` when another run holds
-        it. Runs of the connection still marked running are then dead and are marked interrupted."""
+        """Hold the connection's re-chunk lock for the block; ``RechunkBusy`` when another run holds it."""
         async with self._pool.acquire() as connection:
             if not await connection.fetchval(
                 "SELECT pg_try_advisory_lock($1, hashtext($2))", _LOCK_SPACE, connection_id
             ):
                 raise RechunkBusy(f"a re-chunk of connection {connection_id} is already running")
             try:
-                await connection.execute(
-                    "UPDATE rechunk_runs SET status = 'interrupted', finished_at = now()"
-                    " WHERE connection_id = $1 AND status = 'running'",
-                    connection_id,
-                )
                 yield
             finally:
                 await connection.execute("SELECT pg_advisory_unlock($1, hashtext($2))", _LOCK_SPACE, connection_id)
 
-    async def prepare(self, connection_id: str, chunking: dict[str, Any]) -> int:
+    async def prepare(self, run_id: int, connection_id: str, chunking: dict[str, Any]) -> int:
         """The index version to build for ``chunking``: the one an unfinished run for the same config
-        left (resumed), else a new one. Chunks of any other unfinished version are deleted."""
+        left (resumed), else a new one; named in run ``run_id``'s params. Chunks of any other
+        unfinished version are deleted."""
         async with self._pool.acquire() as connection, connection.transaction():
             active = await connection.fetchval(
                 "SELECT index_version FROM connections WHERE id = $1 FOR UPDATE", connection_id
             )
             if active is None:
                 raise UnknownConnection(connection_id)
-            latest = await connection.fetchrow(
-                "SELECT index_version, chunking FROM rechunk_runs WHERE connection_id = $1 ORDER BY id DESC LIMIT 1",
-                connection_id,
-            )
-            resumable = (
-                latest is not None and latest["index_version"] > active and json.loads(latest["chunking"]) == chunking
-            )
-            if resumable:
-                assert latest is not None
+            earlier = await latest_params(connection, "rechunk", connection_id, "index_version")
+            latest = earlier[0] if earlier else None
+            if latest is not None and latest["index_version"] > active and latest["chunking"] == chunking:
                 target = int(latest["index_version"])
             else:
-                highest = await connection.fetchval(
-                    "SELECT max(index_version) FROM rechunk_runs WHERE connection_id = $1", connection_id
-                )
-                target = max(int(active), int(highest or 0)) + 1
+                highest = max((int(params["index_version"]) for params in earlier), default=0)
+                target = max(int(active), highest) + 1
+            await record_params(connection, run_id, {"index_version": target, "chunking": chunking})
             await connection.execute(
                 "DELETE FROM chunks c USING documents d WHERE d.id = c.document_id AND d.connection_id = $1"
                 " AND c.index_version NOT IN ($2, $3)",
@@ -293,59 +252,3 @@ class RechunkStore:
                 index_version,
             )
         return rebuilt
-
-    async def start_run(
-        self, connection_id: str, index_version: int, chunking: dict[str, Any], counts: Sequence[int]
-    ) -> int:
-        """``counts`` as for ``write_progress``: a resumed run starts with what the last one did."""
-        total, done, failed, chunks = counts
-        return int(
-            await self._pool.fetchval(
-                "INSERT INTO rechunk_runs (connection_id, index_version, chunking, status, documents_total,"
-                " documents_done, documents_failed, chunks) VALUES ($1, $2, $3::jsonb, 'running', $4, $5, $6, $7)"
-                " RETURNING id",
-                connection_id,
-                index_version,
-                json.dumps(chunking),
-                total,
-                done,
-                failed,
-                chunks,
-            )
-        )
-
-    async def write_progress(
-        self,
-        run_id: int,
-        counts: Sequence[int],
-        rate: float | None,
-        eta_seconds: float | None,
-    ) -> None:
-        """``counts``: documents total, done and failed, and chunks of the new version."""
-        total, done, failed, chunks = counts
-        await self._pool.execute(
-            "UPDATE rechunk_runs SET documents_total = $2, documents_done = $3, documents_failed = $4, chunks = $5,"
-            " rate = $6, eta_seconds = $7, heartbeat_at = now() WHERE id = $1",
-            run_id,
-            total,
-            done,
-            failed,
-            chunks,
-            rate,
-            eta_seconds,
-        )
-
-    async def finish_run(self, run_id: int, status: RechunkRunStatus, error: str | None = None) -> None:
-        await self._pool.execute(
-            "UPDATE rechunk_runs SET status = $2, error = $3, heartbeat_at = now(), finished_at = now(),"
-            " eta_seconds = CASE WHEN $2 = 'switched' THEN 0 ELSE eta_seconds END WHERE id = $1",
-            run_id,
-            status,
-            error,
-        )
-
-    async def latest_run(self, connection_id: str) -> RechunkRun | None:
-        row = await self._pool.fetchrow(
-            "SELECT * FROM rechunk_runs WHERE connection_id = $1 ORDER BY id DESC LIMIT 1", connection_id
-        )
-        return _run(row) if row is not None else None

@@ -1,4 +1,4 @@
-"""Embedding spaces (one vector table per model): which serves search, which a re-index fills, and its runs."""
+"""Embedding spaces (one vector table per model): which serves search, and which a re-index fills."""
 
 from __future__ import annotations
 
@@ -8,22 +8,20 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Literal
 
 import asyncpg
 
 from ragstream.core.errors import Conflict, DocumentError, NotFound
 from ragstream.core.vectors import Vectors
+from ragstream.storage.run_params import record_params
 from ragstream.storage.sql import identifier
 
 __all__ = [
     "ChunkText",
     "EmbeddingSpace",
     "ReindexBusy",
-    "ReindexRun",
     "RetiredSpaceError",
-    "RunStatus",
     "SpaceStatus",
     "SpaceStore",
     "UnknownConnection",
@@ -33,7 +31,6 @@ __all__ = [
 ]
 
 SpaceStatus = Literal["active", "building", "idle", "retired"]
-RunStatus = Literal["running", "switched", "failed", "interrupted"]
 
 # Creating a space (table, index, row) is serialised across processes by this transaction lock;
 # one re-index at a time by the session lock, which dies with its connection if the process does.
@@ -91,23 +88,6 @@ class ChunkText:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
-class ReindexRun:
-    id: int
-    connection_id: str | None
-    source_key: str | None
-    target_key: str
-    status: RunStatus
-    error: str | None
-    chunks_total: int
-    chunks_embedded: int
-    rate: float | None
-    eta_seconds: float | None
-    started_at: datetime
-    heartbeat_at: datetime
-    finished_at: datetime | None
-
-
 def _space(row: asyncpg.Record) -> EmbeddingSpace:
     spec, fusion = (json.loads(value) if isinstance(value, str) else value for value in (row["spec"], row["fusion"]))
     return EmbeddingSpace(row["model_key"], row["dimension"], row["table_name"], row["status"], spec, fusion)
@@ -159,8 +139,9 @@ _MAY_COMMIT = """
     SELECT $2 = coalesce(k.embedding_model_key, (SELECT model_key FROM embedding_spaces WHERE status = 'active'), $2)
         OR (k.embedding_model_key IS NULL
             AND EXISTS (SELECT 1 FROM embedding_spaces s WHERE s.model_key = $2 AND s.status = 'building'))
-        OR EXISTS (SELECT 1 FROM reindex_runs r
-                   WHERE r.connection_id = k.id AND r.target_key = $2 AND r.status = 'running')
+        OR EXISTS (SELECT 1 FROM runs r
+                   WHERE r.kind = 'reindex' AND r.connection_id = k.id AND r.params->>'target_key' = $2
+                   AND r.status = 'running')
         OR (NOT EXISTS (SELECT 1 FROM embedding_spaces s WHERE s.model_key = $2 AND s.status IN ('active', 'retired'))
             AND NOT EXISTS (SELECT 1 FROM connections p WHERE p.embedding_model_key = $2))
     FROM connections k WHERE k.id = $1 FOR KEY SHARE
@@ -230,8 +211,8 @@ async def drop_space_if_unused(connection: asyncpg.Connection, model_key: str) -
 
 
 class SpaceStore:
-    """The SQL of space roles, the re-index backfill and switch (deployment-wide or of one
-    connection), and re-index runs.
+    """The SQL of space roles, and of the re-index backfill and switch (deployment-wide or of one
+    connection); the re-index runs themselves are rows of ``runs`` (``storage.runs``).
 
     Methods taking ``connection_id`` cover that connection's chunks when it is given, else the chunks
     of the connections following the default space (``_members``)."""
@@ -285,9 +266,12 @@ class SpaceStore:
             assert row is not None
             return _space(row)
 
-    async def prepare_build(self, model_key: str, dimension: int, spec: dict[str, Any]) -> EmbeddingSpace:
+    async def prepare_build(
+        self, run_id: int, model_key: str, dimension: int, spec: dict[str, Any]
+    ) -> tuple[EmbeddingSpace, str | None]:
         """Make ``model_key`` the building space, keeping the vectors it has (a resumed re-index skips
-        them). A different space left building by an abandoned re-index goes back to idle."""
+        them), and name it and the active one (returned) in run ``run_id``'s params. A different space
+        left building by an abandoned re-index goes back to idle."""
         async with self._pool.acquire() as connection, connection.transaction():
             await connection.execute(_CREATE_LOCK)
             space = await _ensure_space(connection, model_key, dimension)
@@ -302,17 +286,20 @@ class SpaceStore:
                 json.dumps(spec),
             )
             assert row is not None
-            return _space(row)
+            source = await connection.fetchval("SELECT model_key FROM embedding_spaces WHERE status = 'active'")
+            await record_params(connection, run_id, {"source_key": source, "target_key": model_key})
+            return _space(row), source
 
     async def prepare_connection_build(
-        self, connection_id: str, model_key: str, dimension: int, spec: dict[str, Any], pin: bool
-    ) -> tuple[EmbeddingSpace, str | None, int]:
+        self, run_id: int, connection_id: str, model_key: str, dimension: int, spec: dict[str, Any], pin: bool
+    ) -> tuple[EmbeddingSpace, str | None]:
         """The target space of a connection's re-index (created if need be, keeping the vectors it
-        has), the connection's current model, and the run's id. ``pin``: the connection is to be pinned
-        to ``model_key``; else it is to follow the default again (``model_key`` is the active one).
+        has) and the connection's current model. ``pin``: the connection is to be pinned to
+        ``model_key``; else it is to follow the default again (``model_key`` is the active one).
 
-        The run row is written in the same transaction, under the lock a switch takes before it drops
-        a table nothing uses: a running re-index's target counts as used, so it is never dropped."""
+        Both keys are named in run ``run_id``'s params in the same transaction, under the lock a switch
+        takes before it drops a table nothing uses: a running re-index's target counts as used, so it
+        is never dropped."""
         async with self._pool.acquire() as connection, connection.transaction():
             current = await connection.fetchrow(
                 f"SELECT k.embedding_model_key AS pinned, {_EFFECTIVE} AS effective FROM connections k WHERE k.id = $1",
@@ -325,23 +312,18 @@ class SpaceStore:
             await pin_space(connection, model_key, dimension, spec)
             target = await connection.fetchrow("SELECT * FROM embedding_spaces WHERE model_key = $1", model_key)
             assert target is not None
-            space = _space(target)
-            counts = await connection.fetchrow(
-                f"SELECT count(*) AS total, count(e.chunk_id) AS embedded FROM chunks c {_MEMBER_JOINS}"
-                f" LEFT JOIN {space.table} e ON e.chunk_id = c.id WHERE d.connection_id = $1",
-                connection_id,
-            )
-            assert counts is not None
-            run_id = await connection.fetchval(
-                "INSERT INTO reindex_runs (connection_id, source_key, target_key, status, chunks_total,"
-                " chunks_embedded) VALUES ($1, $2, $3, 'running', $4, $5) RETURNING id",
-                connection_id,
-                current["effective"],
-                model_key,
-                counts["total"],
-                counts["embedded"],
-            )
-            return space, current["effective"], int(run_id)
+            await record_params(connection, run_id, {"source_key": current["effective"], "target_key": model_key})
+            return _space(target), current["effective"]
+
+    async def connection_model(self, connection_id: str) -> tuple[str | None, str | None]:
+        """The model the connection is pinned to (None: it follows the default) and the one it uses."""
+        row = await self._pool.fetchrow(
+            f"SELECT k.embedding_model_key AS pinned, {_EFFECTIVE} AS effective FROM connections k WHERE k.id = $1",
+            connection_id,
+        )
+        if row is None:
+            raise UnknownConnection(connection_id)
+        return row["pinned"], row["effective"]
 
     async def count_chunks(self, connection_id: str | None = None) -> int:
         members, params = _members(connection_id, 1)
@@ -437,7 +419,8 @@ class SpaceStore:
         used = await connection.fetchval(
             "SELECT EXISTS (SELECT 1 FROM connections WHERE embedding_model_key = $1)"
             " OR EXISTS (SELECT 1 FROM embedding_spaces WHERE model_key = $1 AND status IN ('active', 'building'))"
-            " OR EXISTS (SELECT 1 FROM reindex_runs WHERE target_key = $1 AND status = 'running')",
+            " OR EXISTS (SELECT 1 FROM runs WHERE kind = 'reindex' AND params->>'target_key' = $1"
+            " AND status = 'running')",
             space.model_key,
         )
         if used:
@@ -539,8 +522,7 @@ class SpaceStore:
 
     @asynccontextmanager
     async def exclusive(self, connection_id: str | None = None) -> AsyncIterator[None]:
-        """Hold the re-index lock for the block; ``ReindexBusy`` when another run holds it. Runs still
-        marked running are then dead (their lock went with them) and are marked interrupted.
+        """Hold the re-index lock for the block; ``ReindexBusy`` when another run holds it.
 
         A deployment-wide re-index holds the lock exclusively; one of a connection holds it shared
         plus that connection's own lock: re-indexes of different connections run side by side, and
@@ -560,11 +542,6 @@ class SpaceStore:
                     await connection.execute(*locks[0])
                     raise ReindexBusy(f"a re-index of connection {connection_id} is already running")
             try:
-                await connection.execute(
-                    "UPDATE reindex_runs SET status = 'interrupted', finished_at = now()"
-                    " WHERE status = 'running' AND ($1::text IS NULL OR connection_id = $1)",
-                    connection_id,
-                )
                 yield
             finally:
                 if connection_id is not None:
@@ -573,47 +550,3 @@ class SpaceStore:
                     )
                 for statement, key in locks:
                     await connection.execute(statement, key)
-
-    async def start_run(self, source_key: str | None, target_key: str, total: int, embedded: int) -> int:
-        return int(
-            await self._pool.fetchval(
-                "INSERT INTO reindex_runs (source_key, target_key, status, chunks_total, chunks_embedded)"
-                " VALUES ($1, $2, 'running', $3, $4) RETURNING id",
-                source_key,
-                target_key,
-                total,
-                embedded,
-            )
-        )
-
-    async def write_progress(
-        self, run_id: int, total: int, embedded: int, rate: float | None, eta_seconds: float | None
-    ) -> None:
-        await self._pool.execute(
-            "UPDATE reindex_runs SET chunks_total = $2, chunks_embedded = $3, rate = $4, eta_seconds = $5,"
-            " heartbeat_at = now() WHERE id = $1",
-            run_id,
-            total,
-            embedded,
-            rate,
-            eta_seconds,
-        )
-
-    async def finish_run(self, run_id: int, status: RunStatus, error: str | None = None) -> None:
-        await self._pool.execute(
-            "UPDATE reindex_runs SET status = $2, error = $3, heartbeat_at = now(), finished_at = now(),"
-            " eta_seconds = CASE WHEN $2 = 'switched' THEN 0 ELSE eta_seconds END WHERE id = $1",
-            run_id,
-            status,
-            error,
-        )
-
-    async def latest_run(self, connection_id: str | None = None) -> ReindexRun | None:
-        """The latest deployment-wide run, or the connection's latest."""
-        row = await self._pool.fetchrow(
-            "SELECT * FROM reindex_runs WHERE connection_id IS NOT DISTINCT FROM $1 ORDER BY id DESC LIMIT 1",
-            connection_id,
-        )
-        if row is None:
-            return None
-        return ReindexRun(**{field: row[field] for field in ReindexRun.__dataclass_fields__})

@@ -10,9 +10,9 @@ from contextlib import asynccontextmanager
 
 from faststream.kafka import KafkaBroker
 
-from ragstream.control.runs import SyncRunStore
 from ragstream.kafka import KafkaChangeSink
 from ragstream.messages import DocumentChanged, DocumentDeleted
+from ragstream.storage.downstream import DownstreamStore
 from ragstream.transport.base import OnSettled, Settled
 
 __all__ = ["KafkaTransport"]
@@ -24,9 +24,11 @@ class _TopicDelivery:
     it also reads what has settled so far every ``poll_s``: progress moves during a long listing, and
     the guard can stop a degraded sync before it has announced everything."""
 
-    def __init__(self, sink: KafkaChangeSink, runs: SyncRunStore, on_settled: OnSettled, poll_s: float) -> None:
+    def __init__(
+        self, sink: KafkaChangeSink, downstream: DownstreamStore, on_settled: OnSettled, poll_s: float
+    ) -> None:
         self._sink = sink
-        self._runs = runs
+        self._downstream = downstream
         self._on_settled = on_settled
         self._poll_s = poll_s
         self._announced: list[tuple[str, int]] = []
@@ -55,8 +57,8 @@ class _TopicDelivery:
     async def _read(self) -> Settled | None:
         """Read and report what has settled; returned only once it is everything announced."""
         self._read_at = time.monotonic()
-        downstream = await self._runs.downstream(self._announced)
-        deleted, deletions_settled = await self._runs.deletions(self._deletions)
+        downstream = await self._downstream.downstream(self._announced)
+        deleted, deletions_settled = await self._downstream.deletions(self._deletions)
         settled = Settled(
             indexed=downstream.indexed,
             failed=downstream.failed,
@@ -75,11 +77,11 @@ class KafkaTransport:
     """Announces to ``doc.changed`` / ``doc.deleted`` through ``broker``; the chunker, embedder and
     indexer services do the work, each retrying, recording and dead-lettering its own failures."""
 
-    def __init__(self, broker: KafkaBroker, runs: SyncRunStore, *, poll_interval_s: float) -> None:
+    def __init__(self, broker: KafkaBroker, downstream: DownstreamStore, *, poll_interval_s: float) -> None:
         self._sink = KafkaChangeSink(broker)
-        self._runs = runs
+        self._downstream = downstream
         self._poll_s = poll_interval_s
 
     @asynccontextmanager
     async def open(self, on_settled: OnSettled) -> AsyncIterator[_TopicDelivery]:
-        yield _TopicDelivery(self._sink, self._runs, on_settled, self._poll_s)
+        yield _TopicDelivery(self._sink, self._downstream, on_settled, self._poll_s)
