@@ -72,19 +72,35 @@ def llamaindex_python(given: str | None) -> Path:
     return python
 
 
-def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, Any], float, float]:
-    """Run ``command``; its last ``RESULT {json}`` line, the process wall time and the CPU seconds of
-    the process and its children (parser workers): on a shared machine the wall time says how busy
-    the others were, the CPU seconds what the work cost."""
+def run_timed(
+    command: list[str], env: dict[str, str] | None = None, *, stderr: bool = False
+) -> tuple[subprocess.CompletedProcess[str], float, float]:
+    """Run ``command`` (its stdout, and with ``stderr`` its stderr, captured); the finished process,
+    its wall time and the CPU seconds of the process and its children (parser workers): on a shared
+    machine the wall time says how busy the others were, the CPU seconds what the work cost."""
     started = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env, check=False)
+    done = subprocess.run(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stderr else None,
+        text=True,
+        env=env,
+        check=False,
+    )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if done.returncode:
         sys.stdout.write(done.stdout)
+        sys.stderr.write(done.stderr or "")
         raise SystemExit(f"{command[:4]} failed with exit status {done.returncode}")
+    return done, wall, cpu
+
+
+def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, Any], float, float]:
+    """``run_timed``, with the command's last ``RESULT {json}`` line in place of the process."""
+    done, wall, cpu = run_timed(command, env)
     lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(lines[-1]), wall, cpu
 

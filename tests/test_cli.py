@@ -31,6 +31,17 @@ def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
     return subprocess.run([*RAGSTREAM, *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
 
 
+# What a folder sync in a fresh process must not import: each costs a share of a second of every
+# `ragstream ingest`, and only other commands (up, replay --kafka) or actual chunking need them.
+_NOT_FOR_A_FOLDER_SYNC = ("fastapi", "faststream", "langchain_text_splitters")
+
+
+def test_the_command_imports_no_web_framework_kafka_client_or_langchain() -> None:
+    probe = f"import sys, ragstream.cli; print(sorted(set({_NOT_FOR_A_FOLDER_SYNC!r}) & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_ingest_reports_progress_and_failures_then_search(database_url: str, corpus: Path, tmp_path: Path) -> None:
     env = {"DATABASE_URL": database_url, "COLUMNS": "160"}
     # Words no other test indexes: the CLI searches every connection of the shared test database.

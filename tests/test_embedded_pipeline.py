@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import docx
 import pytest
 
 from ragstream.connectors.base import SourceItem
 from ragstream.connectors.folder import FolderConnector
+from ragstream.core.vectors import TextKind, Vectors
+from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.jobs.sync import SyncReport
 from ragstream.parsing import DOCX, PDF
 from ragstream.retrieval import SearchFilters, SearchRequest
-from ragstream.runtime import Runtime
+from ragstream.runtime import Runtime, open_runtime
+from ragstream.settings import Settings
 from tests.support.documents import pdf_with_text
 
 pytestmark = pytest.mark.integration
@@ -210,3 +214,74 @@ async def test_redelivered_and_reordered_versions_never_duplicate_chunks(runtime
     older = message.model_copy(update={"header": message.header.model_copy(update={"version": 1})})
     assert await runtime.chunker.run(older) == []
     assert await chunk_rows(runtime, corpus) == before
+
+
+def _section(heading: str, word: str) -> str:
+    """A section of about 1,100 characters: one chunk of its own under the default 1,500-character size."""
+    sentence = f"The {word} procedure keeps the {heading.lower()} steps in order and records each one. "
+    return f"## {heading}\n\n" + sentence * (1100 // len(sentence)) + "\n\n"
+
+
+async def _vectors_by_text(runtime: Runtime, folder: Path) -> dict[str, list[float]]:
+    table = (await runtime.spaces.current()).table
+    rows = await runtime.pool.fetch(
+        f'SELECT c.text, e.embedding FROM chunks c JOIN documents d ON d.id = c.document_id JOIN "{table}" e'
+        " ON e.chunk_id = c.id WHERE d.connection_id = $1",
+        FolderConnector(folder).connection_id,
+    )
+    return {row["text"]: row["embedding"].to_list() for row in rows}
+
+
+async def test_an_edited_document_embeds_only_its_changed_chunks(
+    runtime: Runtime, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    embedded: list[str] = []
+    embed = runtime.embedder.embed
+
+    async def counting(texts: Sequence[str], kind: TextKind = "document") -> Vectors:
+        embedded.extend(texts)
+        return await embed(texts, kind)
+
+    monkeypatch.setattr(runtime.embedder, "embed", counting)
+    page = corpus / "runbook.md"
+    sections = [_section(name, word) for name, word in [("Backup", "quillmoss"), ("Restore", "tansyvale")]]
+    page.write_text("# Runbook\n\n" + "".join(sections) + _section("Failover", "orrisglen"))
+    first = await sync(runtime, corpus)
+    assert first.ok, first.failures
+    chunks = first.progress.chunks
+    assert len(embedded) == chunks >= 3
+    before = await _vectors_by_text(runtime, corpus)
+
+    embedded.clear()
+    page.write_text("# Runbook\n\n" + "".join(sections) + _section("Failover", "brackenfall"))
+    edited = await sync(runtime, corpus)
+    assert (edited.progress.indexed, edited.progress.chunks) == (1, chunks)
+    assert len(embedded) == 1 and "brackenfall" in embedded[0]
+    after = await _vectors_by_text(runtime, corpus)
+    kept = [text for text in before if text in after]
+    assert len(kept) == chunks - 1
+    assert all(after[text] == before[text] for text in kept)
+    assert await sources_for(runtime, corpus, "brackenfall procedure") == ["runbook.md"]
+    assert await sources_for(runtime, corpus, "orrisglen procedure") == []
+    assert await sources_for(runtime, corpus, "tansyvale procedure") == ["runbook.md"]
+
+
+async def test_an_unchanged_resync_never_loads_the_local_model(
+    database_url: str, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (corpus / "note.md").write_text("# Note\n\nThe heliotrope cache is warmed at dawn.\n")
+    settings = Settings(database_url=database_url)
+    async with open_runtime(settings, database_url) as runtime:
+        assert (await sync(runtime, corpus)).progress.indexed == 1
+    loads: list[LocalUSEEmbedder] = []
+    load = LocalUSEEmbedder._load
+
+    def counting(self: LocalUSEEmbedder) -> Any:
+        loads.append(self)
+        return load(self)
+
+    monkeypatch.setattr(LocalUSEEmbedder, "_load", counting)
+    async with open_runtime(settings, database_url) as fresh:
+        again = await sync(fresh, corpus)
+    assert (again.progress.unchanged, again.progress.indexed) == (1, 0)
+    assert loads == []

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ragstream.api.syncs import status_label, sync_counts
 from ragstream.chunking import ChunkingConfig, parse_chunking
 from ragstream.connectors.folder import FolderConnector
 from ragstream.connectors.registry import register_folder
@@ -35,7 +34,6 @@ from ragstream.control.runner import Job, Runner, RunOutcome
 from ragstream.credentials import CredentialCipher, CredentialKeyMissing, CredentialsUnreadable
 from ragstream.jobs.progress import ReplayProgress, RunProgress
 from ragstream.jobs.sync import SyncReport
-from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
 from ragstream.logs import configure_logging
 from ragstream.retrieval import SearchRequest
 from ragstream.runtime import Runtime, open_database, open_runtime, resolve_database
@@ -287,6 +285,9 @@ def replay(
             counts = await replayed(runtime, pipeline_replay_kind(runtime.pipeline))
             failures = await runtime.store.failures(connection)
         else:
+            # Imported here, as the API below: every other command starts faster without FastStream.
+            from ragstream.kafka import KafkaChangeSink, create_broker, dead_letters
+
             broker = create_broker(kafka, "replay")
             await broker.start()
             try:
@@ -545,6 +546,9 @@ def migrate(
 
 
 def _status_row(item: ConnectionOverview) -> dict[str, Any]:
+    # Imported here: the API module brings FastAPI, which `ragstream ingest` must not pay for.
+    from ragstream.api.syncs import status_label, sync_counts
+
     run = item.latest
     progress = run.progress if run is not None else {}
     return {

@@ -7,8 +7,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from langchain_text_splitters import RecursiveCharacterTextSplitter
-
 from ragstream.messages import ChunkPayload
 from ragstream.parsing import ParsedDocument
 
@@ -128,6 +126,10 @@ class SizedSplitter:
         self.size = size
         self.overlap = overlap
         self.length = length
+        # Imported here: LangChain takes a good share of a second to import, and a sync with nothing
+        # to chunk (an unchanged re-sync, ``ragstream status``) must not pay for it.
+        from langchain_text_splitters import RecursiveCharacterTextSplitter
+
         self._splitter = RecursiveCharacterTextSplitter(
             separators=SEPARATORS,
             chunk_size=size,

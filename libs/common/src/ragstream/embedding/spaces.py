@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ragstream.core.vectors import Vectors
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.config import ProcessResources, embedder_config, stored_embedder
 from ragstream.settings import EmbeddingSettings
-from ragstream.storage.spaces import SpaceStore
+from ragstream.storage.spaces import ChunkText, SpaceStore
 
 __all__ = ["ActiveSpace", "Space", "embedding_spec"]
 
@@ -80,6 +82,13 @@ class ActiveSpace:
             by_connection = {connection: spaces[space.model_key] for connection, space in pinned.items()}
             self._cached = (now, current, by_connection)
             return current, by_connection
+
+    async def embedded_chunks(
+        self, space: Space, document_id: str, texts: Sequence[str]
+    ) -> list[tuple[ChunkText, Vectors]]:
+        """The document's chunks of one of these ``texts`` that have a vector in ``space``, with their
+        vectors: what the model of ``space`` embedded for the document's committed version."""
+        return await self._store.embedded_chunks(space.table, document_id, texts)
 
     def embedder(self, model_key: str, spec: dict[str, Any] | None) -> Embedder:
         """The embedder of ``model_key``, built from its stored ``spec`` the first time."""

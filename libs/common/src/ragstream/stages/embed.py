@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ragstream.contextual import ChunkContextualizer, EmbeddableChunk, TitledChunk
+from ragstream.core.vectors import Vectors
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.coalescing import CoalescingEmbedder, batch_limits
-from ragstream.embedding.spaces import ActiveSpace
+from ragstream.embedding.spaces import ActiveSpace, Space
 from ragstream.logs import with_document_log_context
 from ragstream.messages import ChunkPayload, ChunksEmbedded, DocumentChunked, DocumentHeader, pack_vectors
 
@@ -51,6 +54,11 @@ class EmbedService:
     packs the chunks of many documents into the provider's best batch size, while each batch still
     comes back on its own and is committed by its own document's transaction.
 
+    An edited document is embedded again only where its text changed: with ``spaces``, a chunk whose
+    embedding input is that of one of the document's committed chunks gets that chunk's vector from
+    the model's table, and only the others go to the model (a batch with none left loads no model).
+    Not with contextual retrieval, whose context line depends on the whole document.
+
     Usage:
         embedded = await EmbedService(embedder, spaces).run(chunked)   # -> ChunksEmbedded
     """
@@ -81,13 +89,16 @@ class EmbedService:
 
     @with_document_log_context
     async def run(self, message: DocumentChunked) -> ChunksEmbedded:
-        if self._spaces is None:
-            embedder = self._embedder
-        else:
-            embedder = (await self._spaces.for_connection(message.header.connection_id)).embedder
         title = message.header.title
         chunks = [TitledChunk(title, chunk.heading, chunk.text) for chunk in message.chunks]
-        vectors = await self._shared(embedder).embed(await embedding_inputs(chunks, self._contextualizer))
+        inputs = await embedding_inputs(chunks, self._contextualizer)
+        if self._spaces is None:
+            embedder = self._embedder
+            vectors = await self._shared(embedder).embed(inputs)
+        else:
+            space = await self._spaces.for_connection(message.header.connection_id)
+            embedder = space.embedder
+            vectors = await self._embed_changed(self._spaces, space, message, inputs)
         return ChunksEmbedded(
             header=message.header,
             batch_index=message.batch_index,
@@ -99,6 +110,21 @@ class EmbedService:
             dimension=embedder.dimension,
             vectors=pack_vectors(vectors),
         )
+
+    async def _embed_changed(
+        self, spaces: ActiveSpace, space: Space, message: DocumentChunked, inputs: list[str]
+    ) -> Vectors:
+        """The vectors of ``inputs`` (those of ``message``'s chunks): the committed one of each input the
+        document's chunks in ``space`` were embedded from, the model's for the rest."""
+        known: dict[str, Vectors] = {}
+        if self._contextualizer is None:
+            texts = [chunk.text for chunk in message.chunks]
+            for chunk, vector in await spaces.embedded_chunks(space, message.header.document_id, texts):
+                known[embedding_input(chunk.title, chunk.heading, chunk.text)] = vector
+        changed = list(dict.fromkeys(text for text in inputs if text not in known))
+        if changed:
+            known.update(zip(changed, await self._shared(space.embedder).embed(changed), strict=True))
+        return np.vstack([known[text] for text in inputs]).astype(np.float32)
 
     def invalidate(self) -> None:
         """Read the connections' models again: a commit refused the model this process had cached."""

@@ -353,6 +353,23 @@ class SpaceStore:
         )
         return [ChunkText(row["id"], row["title"], row["heading"], row["text"]) for row in rows]
 
+    async def embedded_chunks(
+        self, table: str, document_id: str, texts: Sequence[str]
+    ) -> list[tuple[ChunkText, Vectors]]:
+        """The document's chunks of one of these ``texts`` that have a vector in ``table``, each with its
+        vector (one row)."""
+        rows = await self._pool.fetch(
+            "SELECT c.id, d.title, c.heading, c.text, e.embedding FROM chunks c"
+            f" JOIN documents d ON d.id = c.document_id JOIN {identifier(table)} e ON e.chunk_id = c.id"
+            " WHERE c.document_id = $1 AND c.text = ANY($2::text[])",
+            document_id,
+            list(texts),
+        )
+        return [
+            (ChunkText(row["id"], row["title"], row["heading"], row["text"]), row["embedding"].to_numpy())
+            for row in rows
+        ]
+
     async def missing(self, table: str, after: str, limit: int, connection_id: str | None = None) -> list[ChunkText]:
         """Chunks without a vector in ``table``, by id after ``after`` (keyset paging: each pass
         reads every chunk once, however many are added behind it)."""
