@@ -57,6 +57,7 @@ FAULT_AT = 0.3
 LISTED_AT = 0.6
 DOWN_S = 3.0  # how long the infrastructure stays down
 SETTLE_TIMEOUT_S = 240.0
+EMBED_DELAY_S = 0.5  # per request of the fake DashScope during the faulty run
 
 
 def write_corpus(folder: Path, documents: int) -> None:
@@ -199,6 +200,9 @@ async def run_campaign(dsn: str, bootstrap: str, tmp_path: Path, faults: list[Fa
     with run_fake_dashscope() as fake:
         clean = await clean_run(clean_folder, dsn, fake, DIMENSION)
         assert len(clean) == DOCUMENTS
+        # The faulty run's embedder answers slowly, so that each fault strikes while documents are
+        # still in flight, however many documents the embedder stage puts in one request.
+        fake.delay_s = EMBED_DELAY_S
         env = {**service_env(dsn, bootstrap, fake, tmp_path, DIMENSION), "RAGSTREAM_CHUNK_BATCH_CHUNKS": "2"}
         pipeline = Pipeline(env, logs).start()
         try:
