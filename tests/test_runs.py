@@ -18,7 +18,7 @@ from ragstream.control.runner import CANCELLED_ON_REQUEST, JobContext, Runner
 from ragstream.jobs.progress import RunProgress
 from ragstream.logs import current_context
 from ragstream.storage.database import connect_pool
-from ragstream.storage.runs import RunStatus, RunStore
+from ragstream.storage.runs import RunInProgress, RunStatus, RunStore
 from tests.support.connections import private_database
 
 
@@ -150,3 +150,35 @@ async def test_a_cancel_asked_elsewhere_stops_the_job_and_ends_the_run_cancelled
     )
     assert outcome.run.progress["crawled"] == 3 and outcome.result is None
     assert dropped is not None and dropped.status is RunStatus.CANCELLED and dropped.finished_at is not None
+
+
+async def test_a_deployment_wide_reindex_and_a_connections_exclude_each_other(pool: tuple[asyncpg.Pool, str]) -> None:
+    """Both move the connection's vectors: whichever is queued first wins, the other is a 409 at its
+    start, even when two replicas start them at the same moment."""
+    connections, dsn = pool
+    await connections.execute(
+        "INSERT INTO connections (id, platform, name, config) VALUES ('notes', 'folder', 'notes', '{}')"
+    )
+    first, second = RunStore(connections, dsn), RunStore(connections, dsn)
+    try:
+        deployment = await first.start(None, "api", kind="reindex")
+        with pytest.raises(RunInProgress) as refused:
+            await second.start("wiki", "api", kind="reindex")
+        assert refused.value.run is not None and refused.value.run.id == deployment.id
+        await first.request_cancel(deployment.id)
+        connection = await second.start("wiki", "api", kind="reindex")
+        with pytest.raises(RunInProgress):
+            await first.start(None, "api", kind="reindex")
+        assert (await first.start("notes", "api", kind="reindex")).connection_id == "notes"  # another connection
+        for run in await first.active_of_kind("reindex"):
+            await first.request_cancel(run.id)
+        deployment_start, connection_start = (
+            first.start(None, "api", kind="reindex"),
+            second.start("wiki", "api", kind="reindex"),
+        )
+        raced = await asyncio.gather(deployment_start, connection_start, return_exceptions=True)
+    finally:
+        await first.aclose()
+        await second.aclose()
+    assert connection.connection_id == "wiki"
+    assert sorted(type(outcome).__name__ for outcome in raced) == ["Run", "RunInProgress"]

@@ -320,7 +320,7 @@ def connections_router(
         assert on_embedding_changed is not None
         if same_embedding(current, config.embedding):
             return
-        try:  # a re-index already running (ReindexBusy) is a Conflict: 409, see ragstream.api.errors
+        try:  # a re-index already queued or running (RunInProgress) is a Conflict: 409, see ragstream.api.errors
             await on_embedding_changed(connection_id, config.embedding.spec() if config.embedding else None)
         except UnknownConnection:
             raise not_found(connection_id) from None

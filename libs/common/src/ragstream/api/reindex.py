@@ -15,7 +15,6 @@ from pydantic import BaseModel, Field
 from ragstream.api.runs import RunState, kind_routes, run_fields
 from ragstream.embedding.config import EmbedderConfig
 from ragstream.embedding.spaces import ActiveSpace
-from ragstream.reindex import ReindexBusy
 from ragstream.storage.runs import Run, RunStore
 from ragstream.storage.spaces import SpaceStore
 
@@ -82,8 +81,8 @@ def connection_reindex(
 ) -> Callable[[str, dict[str, Any] | None], Awaitable[None]]:
     """What a change of a connection's ``config.embedding`` does: queue its re-index run to the model
     of the spec (None: back to the default). Refused before anything is queued: a model that cannot
-    be built (a missing key) or that the connection uses already (``ValueError``, 422); ``ReindexBusy``
-    while a deployment-wide one is active, ``RunInProgress`` while the connection's is (both a 409),
+    be built (a missing key) or that the connection uses already (``ValueError``, 422);
+    ``RunInProgress`` while the connection's or a deployment-wide one is queued or running (409),
     ``UnknownConnection`` (404)."""
 
     async def start(connection_id: str, spec: dict[str, Any] | None) -> None:
@@ -91,8 +90,6 @@ def connection_reindex(
         pinned, effective = await store.connection_model(connection_id)
         if effective == target.model_key and (pinned is not None) == (spec is not None):
             raise ValueError(f"{target.model_key} is already the embedding model of connection {connection_id}")
-        if any(run.connection_id is None for run in await runs.active_of_kind("reindex")):
-            raise ReindexBusy("a deployment-wide re-index is queued or running")
         await runs.start(connection_id, "api", kind="reindex", params={"spec": spec})
         wake()
 
@@ -126,9 +123,6 @@ def reindex_router(
         active = await store.active()
         if active is not None and active.model_key == key:
             raise HTTPException(status_code=422, detail=f"{key} is already the active embedding space")
-        if await runs.active_of_kind("reindex"):
-            # The deployment's and a connection's would refuse each other (``SpaceStore.exclusive``).
-            raise HTTPException(status_code=409, detail="a re-index is queued or running")
         run = await runs.start(None, "api", kind="reindex", params={"spec": spec, "target_key": key})
         wake()
         return ReindexStatus.of(run)

@@ -55,6 +55,14 @@ Trigger = Literal["api", "create", "schedule", "cli"]
 
 # Serialises claims: count the running runs and take a queued one as one step. Any constant works.
 _CLAIM_LOCK = 0x73796E63
+# Serialises the starts of re-index runs, so that the check below and the insert are one step.
+_REINDEX_START_LOCK = 0x72656978
+# A deployment-wide re-index and a connection's exclude each other (both move that connection's
+# vectors): the active re-index, of another scope, that a start of scope $1 must wait for.
+_CONFLICTING_REINDEX = (
+    "SELECT * FROM runs WHERE kind = 'reindex' AND status IN ('queued', 'running')"
+    " AND connection_id IS DISTINCT FROM $1 AND ($1::text IS NULL OR connection_id IS NULL) LIMIT 1"
+)
 # The first key of every owner lock (two-key form, so it never meets the one-key locks above); the
 # second is the run id modulo 2**31, which is unique among the runs running at any one time. Public so
 # that an operator or a test can find the owners in pg_locks (classid = OWNER_LOCK, objsubid = 2).
@@ -142,7 +150,8 @@ class RagDisabled(Conflict):
 
 
 class RunInProgress(Conflict):
-    """The scope already has a queued or running run of this kind that is not stale (the API's 409)."""
+    """The scope already has a queued or running run of this kind that is not stale, or, for a re-index,
+    one of the deployment runs beside a connection's (the API's 409)."""
 
     def __init__(self, kind: str, run: Run | None) -> None:
         super().__init__("Sync already in progress" if kind == "sync" else f"a {kind} run is already in progress")
@@ -337,14 +346,26 @@ class RunStore:
     async def _insert(
         self, kind: RunKind, connection_id: str | None, trigger: Trigger, params: str, running: bool
     ) -> asyncpg.Record | None:
+        """Insert the run in one transaction: the owner session's when it starts ``running`` (its lock
+        taken in the same transaction), a pooled one's otherwise. A re-index refused by one of another
+        scope raises ``RunInProgress``."""
         args = (kind, connection_id, trigger, params, running, self.owner_name)
-        if not running:
-            return await self._pool.fetchrow(_INSERT, *args)
-        async with self._owner.transaction() as connection:
+        transaction = self._owner.transaction() if running else self._pooled_transaction()
+        async with transaction as connection:
+            if kind == "reindex":
+                await connection.execute("SELECT pg_advisory_xact_lock($1)", _REINDEX_START_LOCK)
+                conflicting = await connection.fetchrow(_CONFLICTING_REINDEX, connection_id)
+                if conflicting is not None:
+                    raise RunInProgress(kind, Run.from_row(conflicting))
             row = await connection.fetchrow(_INSERT, *args)
-            if row is not None:
+            if row is not None and running:
                 await self._owner.hold(connection, row["id"])
         return row
+
+    @contextlib.asynccontextmanager
+    async def _pooled_transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self._pool.acquire() as connection, connection.transaction():
+            yield connection
 
     async def reap(self, connection_id: str | None = None, *, kind: RunKind | None = None) -> list[Run]:
         """Fail the running runs (of one connection and kind, or all) whose owner is gone, then those
