@@ -10,7 +10,7 @@ from collections.abc import AsyncIterable, Callable
 from ragstream.chunking import parse_chunking
 from ragstream.connectors.registry import ConnectionRow, NoConnector, connector_for
 from ragstream.control.runner import Job, JobContext
-from ragstream.jobs.progress import ReplayProgress
+from ragstream.jobs.progress import ReplayProgress, SyncProgress
 from ragstream.jobs.sync import SyncJob, SyncReport
 from ragstream.messages import DeadLetter
 from ragstream.rechunk import Rechunker, RechunkProgress
@@ -88,7 +88,20 @@ def pipeline_replay_kind(job: Callable[[], SyncJob]) -> Job:
         run, started = context.run, time.monotonic()
         if run.params.get("source", FAILURES) != FAILURES:
             raise ValueError("embedded mode has no dead-letter topic: replay failures")
-        counts, settled = await job().replay(run.connection_id, context.publish)
+
+        def settling(progress: SyncProgress) -> None:
+            """The replay's own document while it settles, as in the Kafka mode's."""
+            done = progress.indexed + progress.failed_processing
+            context.publish(
+                ReplayProgress(
+                    started_at=started,
+                    replayed=max(progress.changed, done),
+                    indexed=progress.indexed,
+                    failed_again=progress.failed_processing,
+                )
+            )
+
+        counts, settled = await job().replay(run.connection_id, settling)
         final = ReplayProgress(
             started_at=started,
             replayed=counts.replayed,

@@ -74,7 +74,8 @@ class RunProgress(ABC):
 
 @dataclass(slots=True, kw_only=True)
 class SyncProgress(RunProgress):
-    """A sync's or a replay's counts: documents listed, unchanged, changed, indexed, deleted, failed."""
+    """A sync's counts (and a replay's while it settles, before ``ReplayProgress`` shows them): documents
+    listed, unchanged, changed, indexed, deleted, failed."""
 
     listed: int = 0
     unchanged: int = 0
