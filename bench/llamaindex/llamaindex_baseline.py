@@ -341,6 +341,10 @@ def pct(xs, q):
     return round(float(np.percentile(np.asarray(xs) * 1000.0, q)), 2)
 
 
+def mean_ms(xs):
+    return round(1000.0 * sum(xs) / len(xs), 2)
+
+
 def phase_query(a) -> None:
     from llama_index.core import QueryBundle, VectorStoreIndex
 
@@ -375,6 +379,9 @@ def phase_query(a) -> None:
             "retrieve_p95_ms": pct(t_ret, 95),
             "total_p50_ms": pct(t_tot, 50),
             "total_p95_ms": pct(t_tot, 95),
+            "embed_mean_ms": mean_ms(t_emb),
+            "retrieve_mean_ms": mean_ms(t_ret),
+            "total_mean_ms": mean_ms(t_tot),
             "mean_results": round(n_res / len(queries), 1),
             "title_page_found": round(hits / len(queries), 3),
         }
