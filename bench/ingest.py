@@ -52,7 +52,7 @@ import httpx  # noqa: E402
 
 from ragstream.connectors.folder import FolderConnector  # noqa: E402
 from ragstream.local_kafka import KafkaNode  # noqa: E402
-from ragstream.retrieval import SearchRequest  # noqa: E402
+from ragstream.retrieval import SearchFilters, SearchRequest  # noqa: E402
 from ragstream.runtime import open_runtime  # noqa: E402
 from ragstream.settings import Settings  # noqa: E402
 from ragstream.stages.embed import embedding_input  # noqa: E402
@@ -558,7 +558,7 @@ async def run_embedded(corpus: Corpus, queries: list[Query]) -> dict[str, Any]:
 
 async def search_embedded(runtime: Any, connection_id: str, queries: list[Query]) -> dict[str, Any]:
     def request(text: str) -> SearchRequest:
-        return SearchRequest(query=text, top_k=TOP_K, connection_ids=[connection_id])
+        return SearchRequest(query=text, top_k=TOP_K, filters=SearchFilters(connection_ids=[connection_id]))
 
     await runtime.retriever.search(request("how do I create an index"))  # warm-up
     latencies, ranks, server = [], [], []
