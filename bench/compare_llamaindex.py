@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,31 @@ LI_REQUIREMENTS = [
     "pgserver==0.1.4",
 ]
 RAW_BATCH = 64
+
+
+@contextlib.contextmanager
+def bench_workdir(prefix: str) -> Iterator[Path]:
+    """A fresh folder under /tmp for one bench run, removed after the block. World-readable: as root,
+    the servers run as an unprivileged user that must reach their folders."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    work.chmod(0o755)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def llamaindex_postgres(python: Path, pg_dir: Path) -> Iterator[str]:
+    """The baseline's pgserver PostgreSQL (``bench/llamaindex/pg_up.sh``) in ``pg_dir``: its DSN for the block."""
+    env = {**os.environ, "PY": str(python)}
+    started = subprocess.run(
+        [str(LLAMAINDEX / "pg_up.sh"), "start", str(pg_dir)], stdout=subprocess.PIPE, text=True, env=env, check=True
+    )
+    try:
+        yield started.stdout.strip().splitlines()[-1]
+    finally:
+        subprocess.run([str(LLAMAINDEX / "pg_up.sh"), "stop", str(pg_dir)], env=env, check=False)
 
 
 def llamaindex_python(given: str | None) -> Path:
@@ -263,16 +290,8 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = prepare_corpus("postgresql-doc-15", args.limit or None)
     python = llamaindex_python(args.li_python)
-    work = Path(tempfile.mkdtemp(prefix="ragstream-bench-compare-", dir="/tmp"))
-    work.chmod(0o755)  # as root, pg_up.sh runs the server as an unprivileged user that must reach pg/
-    pg_dir = work / "pg"
-    env = {**os.environ, "PY": str(python)}
-    started = subprocess.run(
-        [str(LLAMAINDEX / "pg_up.sh"), "start", str(pg_dir)], stdout=subprocess.PIPE, text=True, env=env, check=True
-    )
-    dsn = started.stdout.strip().splitlines()[-1]
     runs: list[dict[str, Any]] = []
-    try:
+    with bench_workdir("ragstream-bench-compare-") as work, llamaindex_postgres(python, work / "pg") as dsn:
         for round_number in range(1, args.rounds + 1):
             label = f"r{round_number}"
             log(f"round {round_number}: LlamaIndex on {corpus.pages} pages")
@@ -281,9 +300,6 @@ def main(argv: list[str] | None = None) -> int:
             database = asyncio.run(create_database(dsn, f"ragstream_{label}"))
             runs.append(run_ragstream(corpus.folder, database, label))
             log(json.dumps(runs[-2:]))
-    finally:
-        subprocess.run([str(LLAMAINDEX / "pg_up.sh"), "stop", str(pg_dir)], env=env, check=False)
-        shutil.rmtree(work, ignore_errors=True)
     ratios = []
     for round_number in range(1, args.rounds + 1):
         li, rs = (

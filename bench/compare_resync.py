@@ -39,9 +39,7 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
@@ -51,7 +49,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.compare_llamaindex import LLAMAINDEX, llamaindex_python, run_timed, timed  # noqa: E402
+from bench.compare_llamaindex import (  # noqa: E402
+    LLAMAINDEX,
+    bench_workdir,
+    llamaindex_postgres,
+    llamaindex_python,
+    run_timed,
+    timed,
+)
 from bench.ingest import RESULTS, git_state, log, prepare_corpus  # noqa: E402
 
 PHASES = ("first", "unchanged", "edited")
@@ -169,18 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     python = llamaindex_python(args.li_python)
     edit_pages = baseline_module().edit_pages
     command = Path(args.ragstream)
-    work = Path(tempfile.mkdtemp(prefix="ragstream-bench-resync-", dir="/tmp"))
-    work.chmod(0o755)  # as root, both servers run as an unprivileged user that must reach their folders
-    pg_dir = work / "pg"
-    env = {**os.environ, "PY": str(python)}
-    started = subprocess.run(
-        [str(LLAMAINDEX / "pg_up.sh"), "start", str(pg_dir)], stdout=subprocess.PIPE, text=True, env=env, check=True
-    )
-    dsn = started.stdout.strip().splitlines()[-1]
     runs: list[dict[str, Any]] = []
     edited: dict[str, list[str]] = {}
     steps = [("first", 0)] + [(phase, repeat) for repeat in range(1, args.repeats + 1) for phase in PHASES[1:]]
-    try:
+    with bench_workdir("ragstream-bench-resync-") as work, llamaindex_postgres(python, work / "pg") as dsn:
         for number in range(1, args.rounds + 1):
             label = f"r{number}"
             workdir = work / label
@@ -197,9 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         runs.append(run_ragstream(command, workdir / "corpus", data_dir, label, phase, repeat))
                     log(json.dumps(runs[-1]))
-    finally:
-        subprocess.run([str(LLAMAINDEX / "pg_up.sh"), "stop", str(pg_dir)], env=env, check=False)
-        shutil.rmtree(work, ignore_errors=True)
     compared = ratios(runs)
     document = {
         "benchmark": "compare-resync",

@@ -40,7 +40,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,7 +51,13 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
-from bench.compare_llamaindex import LLAMAINDEX, llamaindex_python, timed  # noqa: E402
+from bench.compare_llamaindex import (  # noqa: E402
+    LLAMAINDEX,
+    bench_workdir,
+    llamaindex_postgres,
+    llamaindex_python,
+    timed,
+)
 from bench.compare_resync import baseline_module, run_ragstream  # noqa: E402
 from bench.ingest import RESULTS, git_state, log, prepare_corpus  # noqa: E402
 
@@ -252,43 +257,35 @@ def main(argv: list[str] | None = None) -> int:
     corpus = prepare_corpus("postgresql-doc-15", args.limit or None)
     python = llamaindex_python(args.li_python)
     command = Path(args.ragstream)
-    work = Path(tempfile.mkdtemp(prefix="ragstream-bench-search-", dir="/tmp"))
-    work.chmod(0o755)  # as root, both servers run as an unprivileged user that must reach their folders
-    shutil.copytree(corpus.folder, work / "corpus", ignore=shutil.ignore_patterns(".*"))
-    queries_path = work / "queries.json"
-    baseline_module().write_queries(work / "corpus", args.queries, queries_path)
-    queries = json.loads(queries_path.read_text(encoding="utf-8"))
-    pg_dir = work / "pg"
-    env = {**os.environ, "PY": str(python)}
-    started = subprocess.run(
-        [str(LLAMAINDEX / "pg_up.sh"), "start", str(pg_dir)], stdout=subprocess.PIPE, text=True, env=env, check=True
-    )
-    dsn = started.stdout.strip().splitlines()[-1]
-    data_dir = work / "ragstream-data"
-    server: RagstreamServer | None = None
     runs: list[dict[str, Any]] = []
-    try:
-        log(f"ingest: LlamaIndex on {corpus.pages} pages")
-        li_ingest = ingest_llamaindex(python, dsn, work)
-        log(f"ingest: ragstream on {corpus.pages} pages")
-        rs_ingest = run_ragstream(command, work / "corpus", data_dir, "setup", "first", 0)
-        log(json.dumps({"llamaindex": li_ingest, "ragstream": rs_ingest}))
-        server = RagstreamServer(command, data_dir, work / "ragstream-up.log")
-        server.wait_ready()
-        for number in range(1, args.rounds + 1):
-            label = f"r{number}"
-            for system in ["llamaindex", "ragstream"] if number % 2 else ["ragstream", "llamaindex"]:
-                log(f"round {number}: {system}, {len(queries)} queries")
-                if system == "llamaindex":
-                    runs.append(query_llamaindex(python, dsn, work, queries_path, label))
-                else:
-                    runs.append(query_ragstream(server, queries, label))
-                log(json.dumps({key: value for key, value in runs[-1].items() if key != "latencies_ms"}))
-    finally:
-        if server is not None:
-            server.stop()
-        subprocess.run([str(LLAMAINDEX / "pg_up.sh"), "stop", str(pg_dir)], env=env, check=False)
-        shutil.rmtree(work, ignore_errors=True)
+    with bench_workdir("ragstream-bench-search-") as work:
+        shutil.copytree(corpus.folder, work / "corpus", ignore=shutil.ignore_patterns(".*"))
+        queries_path = work / "queries.json"
+        baseline_module().write_queries(work / "corpus", args.queries, queries_path)
+        queries = json.loads(queries_path.read_text(encoding="utf-8"))
+        with llamaindex_postgres(python, work / "pg") as dsn:
+            data_dir = work / "ragstream-data"
+            server: RagstreamServer | None = None
+            try:
+                log(f"ingest: LlamaIndex on {corpus.pages} pages")
+                li_ingest = ingest_llamaindex(python, dsn, work)
+                log(f"ingest: ragstream on {corpus.pages} pages")
+                rs_ingest = run_ragstream(command, work / "corpus", data_dir, "setup", "first", 0)
+                log(json.dumps({"llamaindex": li_ingest, "ragstream": rs_ingest}))
+                server = RagstreamServer(command, data_dir, work / "ragstream-up.log")
+                server.wait_ready()
+                for number in range(1, args.rounds + 1):
+                    label = f"r{number}"
+                    for system in ["llamaindex", "ragstream"] if number % 2 else ["ragstream", "llamaindex"]:
+                        log(f"round {number}: {system}, {len(queries)} queries")
+                        if system == "llamaindex":
+                            runs.append(query_llamaindex(python, dsn, work, queries_path, label))
+                        else:
+                            runs.append(query_ragstream(server, queries, label))
+                        log(json.dumps({key: value for key, value in runs[-1].items() if key != "latencies_ms"}))
+            finally:
+                if server is not None:
+                    server.stop()
     compared = ratios(runs)
     document = {
         "benchmark": "compare-search",
