@@ -52,7 +52,14 @@ from ragstream.embedding.base import Embedder, TextKind, Vectors
 from ragstream.messages import ChunksEmbedded, DocumentHeader, pack_vectors
 from ragstream.parsing import Parser
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchRequest
-from ragstream.retrieval.fusion import ConvexFusion, Fusion, RrfFusion, convex_fusion, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import (
+    ConvexFusion,
+    Fusion,
+    RrfFusion,
+    VectorScores,
+    convex_fusion,
+    reciprocal_rank_fusion,
+)
 from ragstream.segmentation import query_terms
 from ragstream.settings import EmbeddingSettings, Settings
 from ragstream.stages.embed import embedding_text
@@ -577,7 +584,7 @@ class LanguageBench:
         """The convex fusion of the two legs' outputs, by the function the retriever calls."""
         run = Run()
         for v, kw, similarity in zip(self.vector_lists, self.keyword_lists, self.similarities, strict=True):
-            fused = convex_fusion(v, kw, alpha=alpha, similarity=similarity)
+            fused = convex_fusion([VectorScores(1.0, v, similarity)], kw, alpha=alpha)
             run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
         return run
 

@@ -10,7 +10,14 @@ import pytest
 
 from ragstream.connectors.folder import FolderConnector
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchFilters, SearchRequest
-from ragstream.retrieval.fusion import ConvexFusion, convex_fusion, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import (
+    VECTOR,
+    ConvexFusion,
+    RrfFusion,
+    VectorScores,
+    convex_fusion,
+    reciprocal_rank_fusion,
+)
 from ragstream.runtime import Runtime
 from ragstream.segmentation import query_terms
 from ragstream.storage.citations import CitationStore
@@ -37,7 +44,7 @@ def test_convex_keeps_the_margin_rrf_throws_away() -> None:
     vector = [Hit("near", 0.50), Hit("other", 0.45)]
     similarity = {"exact": 0.20}
 
-    fused = convex_fusion(vector, keyword, alpha=0.7, similarity=similarity)
+    fused = convex_fusion([VectorScores(1.0, vector, similarity)], keyword, alpha=0.7)
 
     assert order(reciprocal_rank_fusion([["near", "other"], ["exact", "near"]]))[0] == "near"
     assert order(fused) == ["exact", "near", "other"]
@@ -49,8 +56,8 @@ def test_convex_at_its_ends_is_one_leg() -> None:
     vector = [Hit("v1", 0.9), Hit("both", 0.8), Hit("v2", 0.7)]
     similarity = {"k1": 0.1, "k2": 0.75}
 
-    assert order(convex_fusion(vector, keyword, alpha=1.0, similarity=similarity))[:3] == ["k1", "k2", "both"]
-    assert order(convex_fusion(vector, keyword, alpha=0.0, similarity=similarity)) == [
+    assert order(convex_fusion([VectorScores(1.0, vector, similarity)], keyword, alpha=1.0))[:3] == ["k1", "k2", "both"]
+    assert order(convex_fusion([VectorScores(1.0, vector, similarity)], keyword, alpha=0.0)) == [
         "v1",
         "both",
         "k2",
@@ -63,18 +70,21 @@ def test_a_keyword_chunk_without_a_vector_counts_as_the_vector_legs_last() -> No
     keyword = [Hit("unembedded", 1.0)]
     vector = [Hit("v1", 0.9), Hit("v2", 0.4)]
 
-    fused = dict(convex_fusion(vector, keyword, alpha=0.5, similarity={}))
+    fused = dict(convex_fusion([VectorScores(1.0, vector, {})], keyword, alpha=0.5))
 
     assert fused["unembedded"] == pytest.approx(0.5 + 0.5 * 0.4)
 
 
 def test_convex_edge_cases() -> None:
-    assert convex_fusion([], [], alpha=0.5, similarity={}) == []
+    assert convex_fusion([VectorScores(1.0, [], {})], [], alpha=0.5) == []
     # A zero best keyword score (ts_rank can give 0) must not divide by zero.
-    assert order(convex_fusion([Hit("v", 0.3)], [Hit("k", 0.0)], alpha=0.5, similarity={"k": 0.1})) == ["v", "k"]
+    assert order(convex_fusion([VectorScores(1.0, [Hit("v", 0.3)], {"k": 0.1})], [Hit("k", 0.0)], alpha=0.5)) == [
+        "v",
+        "k",
+    ]
     for alpha in (-0.1, 1.5):
         with pytest.raises(ValueError, match="between 0 and 1"):
-            convex_fusion([], [], alpha=alpha, similarity={})
+            convex_fusion([VectorScores(1.0, [], {})], [], alpha=alpha)
 
 
 @pytest.mark.integration
@@ -136,3 +146,23 @@ async def test_the_retriever_scores_every_candidate_by_both_legs(runtime: Runtim
         assert result.score == pytest.approx(expected, abs=1e-5), result.source
     assert [r.score for r in response.results] == sorted((r.score for r in response.results), reverse=True)
     assert response.results[0].source == "kafka.md"
+
+
+def test_several_vector_rankings_share_the_vector_side_by_their_weights() -> None:
+    """A space of blocks (BGE and USE) ranks each block apart; convex fusion gives each its share of
+    1 − alpha, RRF its weight, and a block not named weighs ``vector_weight``."""
+    keyword = [Hit("k", 2.0)]
+    bge = VectorScores(1.0, [Hit("b", 0.8), Hit("k", 0.4)], {})
+    use = VectorScores(3.0, [Hit("u", 0.6)], {"k": 0.2, "b": 0.1})
+
+    fused = dict(convex_fusion([bge, use], keyword, alpha=0.2))
+
+    assert fused == pytest.approx(
+        {
+            "k": 0.2 + 0.8 * (0.25 * 0.4 + 0.75 * 0.2),
+            "b": 0.8 * (0.25 * 0.8 + 0.75 * 0.1),
+            "u": 0.8 * (0.25 * 0.4 + 0.75 * 0.6),  # not in the BGE leg: its lowest cosine there
+        }
+    )
+    fusion = RrfFusion(k=10, vector_weight=0.5, block_weights={"use": 2.0})
+    assert (fusion.weight_of("use"), fusion.weight_of("bge"), fusion.weight_of(VECTOR)) == (2.0, 0.5, 0.5)

@@ -220,7 +220,7 @@ class SearchLimitsSettings(BaseSettings):
     ] = 10.0
 
 
-EmbeddingProvider = Literal["local", "onnx", "dashscope", "openai"]
+EmbeddingProvider = Literal["local", "bilingual", "onnx", "dashscope", "openai"]
 """``local``: USE; ``onnx``: BGE from Maven Central; ``dashscope`` and ``openai``: remote, with a key."""
 
 

