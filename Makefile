@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PACKAGES := -e libs/common $(foreach project,$(wildcard services/*/pyproject.toml),-e $(dir $(project)))
 export RAGSTREAM_DATA_DIR ?= $(CURDIR)/.data
 
-.PHONY: install system-deps run run-distributed migrate asyncapi test lint proto bench bench-quality clean
+.PHONY: install system-deps models run run-distributed migrate asyncapi test lint proto bench bench-quality clean
 
 $(BIN)/ragstream: libs/common/pyproject.toml $(wildcard services/*/pyproject.toml) requirements-dev.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,12 @@ install: $(BIN)/ragstream
 system-deps:
 	bash scripts/install-system-deps.sh
 
-run: install
+# The BGE models of the bilingual embedder (the default), from Maven Central into Maven's local repository,
+# where the embedder finds them (SHA-256 pinned): nothing is downloaded at run time.
+models: install system-deps
+	$(BIN)/ragstream models | xargs -I{} mvn -q -B dependency:get -Dtransitive=false -Dartifact={}
+
+run: install models
 	$(BIN)/ragstream up --source examples/knowledge-base --port $(or $(PORT),8080)
 
 # The distributed mode on this machine, no Docker: Kafka (KRaft, Maven Central jars), PostgreSQL with
@@ -32,7 +37,7 @@ run-distributed: install system-deps
 migrate: install
 	$(BIN)/ragstream migrate
 
-test: install system-deps
+test: install system-deps models
 	$(BIN)/python -m pytest
 
 lint: install

@@ -258,8 +258,10 @@ def score_language(
         for name in ("rrf", "convex"):
             rank = candidates(name, legs, family)
             best_point, best, best_result = None, -1.0, {}
+            scored: dict[str, float] = {}
             for point in grid(name, len(family)):
                 result = evaluate(functools.partial(rank, point=point), tuned, answer_of, 0)
+                scored[json.dumps(point)] = round(result["ndcg10"], 4)
                 if result["ndcg10"] > best:
                     best_point, best, best_result = point, result["ndcg10"], result
             assert best_point is not None
@@ -269,6 +271,7 @@ def score_language(
                 "point": best_point,
                 "tuned": best_result,
                 "held_out": held_result,
+                "grid_tuned_ndcg10": scored,
                 "vs_legs": {
                     f"vector leg, {leg}" if leg else "keyword leg": paired_difference(
                         held_result["run"], baselines[leg]["run"], held

@@ -22,6 +22,9 @@ from ragstream.storage.embedded_postgres import EmbeddedPostgres
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The pipeline's tests embed with USE alone, the quickest offline model, whose rankings many of them
+    # pin; the default bilingual embedder has its own tests (tests/embedding/test_bilingual.py).
+    os.environ.setdefault("RAGSTREAM_EMBEDDER_PROVIDER", "local")
     config.addinivalue_line("markers", "integration: needs PostgreSQL (database_url)")
     config.addinivalue_line("markers", "kafka: needs a Kafka broker (kafka_bootstrap)")
 

@@ -13,6 +13,7 @@ import pytest
 
 from ragstream.connectors.folder import FolderConnector
 from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BLOCKS
+from ragstream.embedding import create_embedder
 from ragstream.embedding.bilingual import BilingualEmbedder, is_chinese
 from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.embedding.onnx import OnnxEmbedder
@@ -27,6 +28,13 @@ pytestmark = pytest.mark.usefixtures("private_networks")
 REPOSITORY = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPOSITORY / ".cache" / "models"
 KNOWLEDGE_BASE = REPOSITORY / "examples" / "knowledge-base"
+
+
+def test_the_default_embedder_is_the_bilingual_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAGSTREAM_EMBEDDER_PROVIDER", raising=False)  # the suite's own choice, not the default
+    embedder = create_embedder(EmbeddingSettings(model_dir=MODEL_DIR))
+    assert isinstance(embedder, BilingualEmbedder)
+    assert (embedder.model_key, embedder.dimension) == (BILINGUAL_MODEL_KEY, 1024)
 
 
 def test_a_text_is_chinese_when_its_han_characters_outweigh_its_latin_letters() -> None:

@@ -75,22 +75,42 @@ def _jar(stem: str) -> bytes:
 def test_fetch_checks_the_pinned_checksum_and_fetches_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     body = _jar(MODELS[ZH].stem)
     server = _JarServer(body)
+    models, maven = tmp_path / "models", tmp_path / "m2"  # no jar in this local Maven repository
     try:
         monkeypatch.setattr(type(MODELS[ZH]), "jar_url", property(lambda _: server.url))
         tampered = replace(MODELS[ZH], sha256=hashlib.sha256(b"another jar").hexdigest())
         with pytest.raises(EmbeddingError, match="not the pinned") as refused:
-            fetch_model(tampered, tmp_path)
+            fetch_model(tampered, models, maven=maven)
         assert not refused.value.retryable
-        assert list(tmp_path.iterdir()) == []  # nothing half-unpacked is left to be mistaken for a model
+        assert list(models.iterdir()) == []  # nothing half-unpacked is left to be mistaken for a model
 
         pinned = replace(MODELS[ZH], sha256=hashlib.sha256(body).hexdigest())
-        folder = fetch_model(pinned, tmp_path)
+        folder = fetch_model(pinned, models, maven=maven)
         unpacked = sorted(path.name for path in folder.iterdir())
         assert unpacked == [f"{pinned.stem}-tokenizer.json", f"{pinned.stem}.onnx"]
-        assert fetch_model(pinned, tmp_path) == folder
+        assert fetch_model(pinned, models, maven=maven) == folder
         assert server.requests == 2
     finally:
         server.close()
+
+
+def test_a_jar_maven_already_fetched_is_unpacked_without_the_network(tmp_path: Path) -> None:
+    """``make install`` leaves the jars in the local Maven repository (``mvn dependency:get``): the model
+    comes from there, checked against the same pinned checksum, and no request goes out."""
+    body = _jar(MODELS[ZH].stem)
+    pinned = replace(MODELS[ZH], sha256=hashlib.sha256(body).hexdigest())
+    maven = tmp_path / "m2"
+    jar = pinned.local_jar(maven)
+    assert jar.parts[-4:-1] == ("langchain4j", pinned.artifact, pinned.version)
+    jar.parent.mkdir(parents=True)
+    jar.write_bytes(body)
+
+    folder = fetch_model(pinned, tmp_path / "models", maven=maven)
+
+    assert (folder / f"{pinned.stem}.onnx").read_bytes() == b"graph"
+    jar.write_bytes(_jar("other"))
+    with pytest.raises(EmbeddingError, match="not the pinned"):
+        fetch_model(pinned, tmp_path / "elsewhere", maven=maven)
 
 
 def test_settings_build_the_onnx_embedder() -> None:

@@ -221,16 +221,18 @@ class SearchLimitsSettings(BaseSettings):
 
 
 EmbeddingProvider = Literal["local", "bilingual", "onnx", "dashscope", "openai"]
-"""``local``: USE; ``onnx``: BGE from Maven Central; ``dashscope`` and ``openai``: remote, with a key."""
+"""``bilingual`` (default): BGE small of each text's language beside USE; ``local``: USE alone; ``onnx``: one
+BGE model; ``dashscope`` and ``openai``: remote, with a key."""
 
 
 class EmbeddingSettings(BaseSettings):
-    """Which embedder runs: ``local`` (USE) needs no network, ``onnx`` (BGE) fetches its model once
-    from Maven Central, ``dashscope`` and ``openai`` need a key."""
+    """Which embedder runs: ``bilingual`` (the default: BGE small zh or en by each text's language, beside
+    USE) and ``onnx`` (one BGE model) take their models from Maven Central once, ``local`` (USE) needs no
+    network, ``dashscope`` and ``openai`` need a key."""
 
     model_config = SettingsConfigDict(env_prefix="RAGSTREAM_EMBEDDER_")
 
-    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")] = "local"
+    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")] = "bilingual"
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", description="Provider default when unset.")] = None
     base_url: Annotated[VendorUrl, Field(title="Endpoint base URL")] = None
@@ -238,7 +240,7 @@ class EmbeddingSettings(BaseSettings):
     threads: Annotated[int, Field(title="CPU threads of the local model", ge=1)] = 2
     model_dir: Annotated[
         Path,
-        Field(title="Model folder", description="Where the onnx provider keeps the models it fetched."),
+        Field(title="Model folder", description="Where the bilingual and onnx providers keep their models."),
     ] = Field(default_factory=lambda: Path.home() / ".cache" / "ragstream" / "models")
 
 

@@ -31,7 +31,10 @@ from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BLOCKS, TextKind, Vector
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.coalescing import BatchLimits
 
-__all__ = ["BilingualEmbedder", "is_chinese"]
+__all__ = ["BGE_MODELS", "BilingualEmbedder", "is_chinese"]
+
+BGE_MODELS = ("bge-small-zh-v1.5", "bge-small-en-v1.5")
+"""The BGE models (``embedding.onnx.MODELS``) of Chinese texts and of the others."""
 
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _LATIN = re.compile(r"[A-Za-z]")

