@@ -29,7 +29,7 @@ run: install models
 
 # The distributed mode on this machine, no Docker: Kafka (KRaft, Maven Central jars), PostgreSQL with
 # pgvector and the five services as processes; search on PORT (8080), control plane on CONTROL_PORT (8081).
-run-distributed: install system-deps
+run-distributed: install system-deps models
 	$(BIN)/ragstream run-distributed --source examples/knowledge-base \
 		--port $(or $(PORT),8080) --control-port $(or $(CONTROL_PORT),8081)
 

@@ -43,6 +43,7 @@ import numpy as np
 from bench.keyword_exactness import ingest as commit_keyword_corpus
 from bench.quality import Query, Run, answers_of, database, load_data, paired_difference, score
 from ragstream.core.search import SearchFilters
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY
 from ragstream.embedding.base import Embedder
 from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.embedding.onnx import OnnxEmbedder
@@ -269,6 +270,8 @@ def score_language(
             row = {
                 "run": f"keyword + {' + '.join(family)}, {name} {best_point}",
                 "point": best_point,
+                "family": family,
+                "kind": name,
                 "tuned": best_result,
                 "held_out": held_result,
                 "grid_tuned_ndcg10": scored,
@@ -288,6 +291,19 @@ def score_language(
     return report
 
 
+def space_fusion(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The bilingual space's fusion for a three-leg row (keyword + BGE + USE), as ``PUT
+    /v1/spaces/{model_key}/fusion`` takes it: the BGE model's leg is the ``bge`` block's."""
+    point, family = row.get("point"), row.get("family")
+    if point is None or family is None or len(family) != 2 or family[1] != "use":
+        return None
+    if row["kind"] == "rrf":
+        k, keyword, bge, use = point
+        return {"kind": "rrf", "k": int(k), "keyword_weight": keyword, "block_weights": {"bge": bge, "use": use}}
+    keyword, bge, use = point
+    return {"kind": "convex", "alpha": keyword, "block_weights": {"bge": bge, "use": use}}
+
+
 def print_table(reports: list[dict[str, Any]]) -> None:
     for report in reports:
         print(f"\n## {report['lang']}: {report['chunks']} chunks; load {os.getloadavg()[0]:.1f}")
@@ -301,6 +317,9 @@ def print_table(reports: list[dict[str, Any]]) -> None:
             " held out vs each leg (mean [95% CI]) |"
         )
         print("|---|---|---|---|---|---|")
+        for row in report["rows"]:
+            if (fusion := space_fusion(row)) is not None:
+                print(f"  PUT /v1/spaces/{BILINGUAL_MODEL_KEY}/fusion {json.dumps(fusion)}")
         for row in report["rows"]:
             versus = "; ".join(
                 f"{label}: {d['ndcg@10_gain']:+.4f} [{d['ci95_low']:+.3f}, {d['ci95_high']:+.3f}]"
