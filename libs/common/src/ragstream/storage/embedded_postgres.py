@@ -15,6 +15,10 @@ drops both when a process dies, so a server left by a killed process is reused.
 The server only accepts the password in ``ragstream.password`` (scram-sha-256, mode 0600):
 no trust lines, over TCP or the socket.
 
+A start spawns ``postgres`` itself, as ``pg_ctl start`` would, and polls ``postmaster.pid`` every
+5 ms for its "ready" line (60 s at most); pgvector is created once per cluster (``ragstream.vector``
+marks it), so a restart runs no ``psql``: every CLI command pays one start and one stop.
+
 A cluster of an older major version (PostgreSQL 16, made by ragstream versions that ran the
 ``pgserver`` wheel) is upgraded in place on the first start: dumped with its own server, set aside
 as ``pg16-before-upgrade/`` in the data dir, and restored into a new cluster (docs/vector-leg.md).
