@@ -22,6 +22,8 @@ more paragraph to the same pages): more re-sync figures for one costly first ing
   ``bench.compare_llamaindex``'s (``--li-python``, else made under ``.cache/bench/llamaindex-venv``).
 * ragstream: the command a user runs, ``ragstream ingest FOLDER`` with ``RAGSTREAM_DATA_DIR`` set to the
   round's folder and default settings: its embedded PostgreSQL starts and stops inside each run.
+  Python may write its bytecode cache (``PYTHONDONTWRITEBYTECODE`` is dropped from its environment), as
+  for the baseline's pip-installed packages: the first ingest compiles the sources, later runs reuse them.
   ``--ragstream`` names another build's command (a checkout's ``.venv/bin/ragstream``), for a
   before/after comparison.
 
@@ -103,8 +105,11 @@ def run_llamaindex(python: Path, dsn: str, workdir: Path, label: str, phase: str
 def run_ragstream(command: Path, corpus: Path, data_dir: Path, label: str, phase: str, repeat: int) -> dict[str, Any]:
     """One ``ragstream ingest`` process on ``corpus`` with its embedded PostgreSQL under ``data_dir``."""
     load = os.getloadavg()[0]
+    # Bytecode caching on, as for an installed package: the baseline's packages were byte-compiled by pip,
+    # while an editable checkout run with PYTHONDONTWRITEBYTECODE=1 would compile its sources in every run.
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     done, wall, cpu = run_timed(
-        [str(command), "ingest", str(corpus)], env={**os.environ, "RAGSTREAM_DATA_DIR": str(data_dir)}, stderr=True
+        [str(command), "ingest", str(corpus)], env={**env, "RAGSTREAM_DATA_DIR": str(data_dir)}, stderr=True
     )
     found = _SUMMARY.search(" ".join(done.stderr.split()))
     if found is None:

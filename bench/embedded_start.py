@@ -4,7 +4,7 @@ Makes a fresh cluster in a temporary folder (under /var/tmp: as root the server 
 unprivileged account that must reach it), times ``EmbeddedPostgres.start()`` (initdb, configure,
 start, ``CREATE EXTENSION vector``), ``apply_migrations``, ``stop()``, then ``--restarts`` times a
 start and a stop of the existing cluster, which is what every CLI command pays. Prints the server
-and pgvector versions and the load average.
+and pgvector versions, each time in ms, and the load average before and after.
 
     .venv/bin/python bench/embedded_start.py
 """
@@ -41,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--restarts", type=int, default=3)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="ragstream-start-", dir="/var/tmp"))
     root.chmod(0o755)
     server = EmbeddedPostgres(root / "postgres")
@@ -55,15 +56,19 @@ def main() -> None:
         started = time.perf_counter()
         server.stop()
         stop = time.perf_counter() - started
-        restarts = []
+        restarts, stops = [], []
         for _ in range(args.restarts):
             started = time.perf_counter()
             server.start()
             restarts.append(time.perf_counter() - started)
+            started = time.perf_counter()
             server.stop()
+            stops.append(time.perf_counter() - started)
         print(
-            f"{label}: first start {first:.2f} s, {len(applied)} migrations {migrations:.2f} s, stop {stop:.2f} s,"
-            f" restart {', '.join(f'{seconds:.2f}' for seconds in restarts)} s; load average {os.getloadavg()}"
+            f"{label}: first start {first * 1000:.0f} ms, {len(applied)} migrations {migrations * 1000:.0f} ms,"
+            f" stop {stop * 1000:.0f} ms; restart {', '.join(f'{seconds * 1000:.0f}' for seconds in restarts)} ms;"
+            f" its stop {', '.join(f'{seconds * 1000:.0f}' for seconds in stops)} ms;"
+            f" load average before {load_before}, after {os.getloadavg()}"
         )
     finally:
         server.stop()

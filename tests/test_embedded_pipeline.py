@@ -285,3 +285,28 @@ async def test_an_unchanged_resync_never_loads_the_local_model(
         again = await sync(fresh, corpus)
     assert (again.progress.unchanged, again.progress.indexed) == (1, 0)
     assert loads == []
+
+
+async def test_a_changed_document_starts_loading_the_model_as_it_is_announced(
+    database_url: str, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The load (seconds for the local model) then overlaps parsing and chunking; unchanged, none starts.
+    note = corpus / "note.md"
+    note.write_text("# Note\n\nThe marigold lantern is lit at dusk.\n")
+    settings = Settings(database_url=database_url)
+    async with open_runtime(settings, database_url) as runtime:
+        assert (await sync(runtime, corpus)).progress.indexed == 1
+    warm_ups: list[LocalUSEEmbedder] = []
+    warm_up = LocalUSEEmbedder.warm_up
+
+    async def counting(self: LocalUSEEmbedder) -> None:
+        warm_ups.append(self)
+        await warm_up(self)
+
+    monkeypatch.setattr(LocalUSEEmbedder, "warm_up", counting)
+    async with open_runtime(settings, database_url) as fresh:
+        assert (await sync(fresh, corpus)).progress.unchanged == 1
+        assert warm_ups == []
+        note.write_text("# Note\n\nThe marigold lantern is lit at dusk and put out at dawn.\n")
+        assert (await sync(fresh, corpus)).progress.indexed == 1
+    assert len(warm_ups) == 1

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from pydantic import SecretStr
 
 from ragstream.core.errors import ConfigurationError
 from ragstream.settings import Settings
+
+if TYPE_CHECKING:
+    from cryptography.fernet import MultiFernet
 
 __all__ = ["CredentialCipher", "CredentialKeyMissing", "CredentialsUnreadable"]
 
@@ -43,7 +46,13 @@ class CredentialCipher:
 
     def __init__(self, keys: Sequence[SecretStr]) -> None:
         """``keys`` in priority order: the first encrypts. An empty list is allowed so that a deployment
-        without credentials needs no key; using the cipher then raises ``CredentialKeyMissing``."""
+        without credentials needs no key; using the cipher then raises ``CredentialKeyMissing``.
+        cryptography is imported only when there are keys: a folder sync needs none."""
+        if not keys:
+            self._fernet: MultiFernet | None = None
+            return
+        from cryptography.fernet import Fernet, MultiFernet
+
         fernets: list[Fernet] = []
         for number, key in enumerate(keys, start=1):
             try:
@@ -53,7 +62,7 @@ class CredentialCipher:
                 raise ValueError(
                     f"RAGSTREAM_CREDENTIAL_KEYS: key {number} is not a Fernet key (32 url-safe base64-encoded bytes)"
                 ) from None
-        self._fernet = MultiFernet(fernets) if fernets else None
+        self._fernet = MultiFernet(fernets)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CredentialCipher:
@@ -72,8 +81,11 @@ class CredentialCipher:
 
     def decrypt(self, token: bytes) -> dict[str, SecretStr]:
         """The credential object; raises ``CredentialsUnreadable`` for a tampered or foreign token."""
+        fernet = self._require()
+        from cryptography.fernet import InvalidToken
+
         try:
-            plain = self._require().decrypt(token)
+            plain = fernet.decrypt(token)
         except InvalidToken as error:
             raise CredentialsUnreadable("stored credentials cannot be decrypted with the configured keys") from error
         values = json.loads(plain)
@@ -81,7 +93,10 @@ class CredentialCipher:
 
     def rotate(self, token: bytes) -> bytes:
         """The same credentials encrypted with the primary key (whichever configured key made ``token``)."""
+        fernet = self._require()
+        from cryptography.fernet import InvalidToken
+
         try:
-            return self._require().rotate(token)
+            return fernet.rotate(token)
         except InvalidToken as error:
             raise CredentialsUnreadable("stored credentials cannot be decrypted with the configured keys") from error

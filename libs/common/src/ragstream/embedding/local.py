@@ -58,6 +58,7 @@ class LocalUSEEmbedder:
         self._instance: USE | None = None
         self._lock = asyncio.Lock()
         self._build_lock = threading.Lock()  # chunk workers count tokens in threads
+        self._load_lock = threading.Lock()  # a warm-up and the first embed may load at the same time
 
     def tokenizer(self) -> USETokenizer:
         return USETokenizer(self)
@@ -83,13 +84,14 @@ class LocalUSEEmbedder:
         await asyncio.to_thread(self._load)
 
     def _load(self) -> USE:
-        if self._model is None:
-            # Loading the weights takes about a second and the chunk stage never needs them.
-            self._sentencepiece()  # under the lock: the chunk stage may be loading it right now
-            model = self._build()
-            model.encode(["warm up"])
-            self._model = model
-        return self._model
+        with self._load_lock:
+            if self._model is None:
+                # Loading the weights takes about a second and the chunk stage never needs them.
+                self._sentencepiece()  # under the lock: the chunk stage may be loading it right now
+                model = self._build()
+                model.encode(["warm up"])
+                self._model = model
+            return self._model
 
     def _encode(self, texts: list[str]) -> Vectors:
         model = self._load()

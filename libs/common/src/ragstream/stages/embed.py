@@ -126,6 +126,14 @@ class EmbedService:
             known.update(zip(changed, await self._shared(space.embedder).embed(changed), strict=True))
         return np.vstack([known[text] for text in inputs]).astype(np.float32)
 
+    async def warm_up(self, connection_id: str) -> None:
+        """Load the model that embeds ``connection_id``'s chunks now, e.g. as its first changed document
+        is announced: the load (seconds for the local model) then overlaps parsing and chunking."""
+        embedder = (
+            self._embedder if self._spaces is None else (await self._spaces.for_connection(connection_id)).embedder
+        )
+        await embedder.warm_up()
+
     def invalidate(self) -> None:
         """Read the connections' models again: a commit refused the model this process had cached."""
         if self._spaces is not None:

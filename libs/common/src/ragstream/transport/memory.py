@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
@@ -18,18 +19,45 @@ from ragstream.transport.document import STALE_ERRORS, DocumentAttempt, Document
 
 __all__ = ["MemoryTransport"]
 
+logger = logging.getLogger(__name__)
+
 _Message = DocumentChanged | DocumentDeleted | None
+
+
+class _ModelWarmUp:
+    """Starts loading a connection's model when its first changed document is announced, in the
+    transport's task group: the load overlaps listing, parsing and chunking instead of following them.
+    An unchanged sync announces nothing and loads no model. A load that fails is only logged: the
+    connection's first embed loads again and records the error on its document."""
+
+    def __init__(self, embed: EmbedService, group: asyncio.TaskGroup) -> None:
+        self._embed = embed
+        self._group = group
+        self._started: set[str] = set()
+
+    def changed(self, connection_id: str) -> None:
+        if connection_id not in self._started:
+            self._started.add(connection_id)
+            self._group.create_task(self._load(connection_id))
+
+    async def _load(self, connection_id: str) -> None:
+        try:
+            await self._embed.warm_up(connection_id)
+        except Exception:
+            logger.warning("loading the model of connection %s ahead failed", connection_id, exc_info=True)
 
 
 class _QueueDelivery:
     """Announcements go onto a bounded queue that the workers drain, so a huge folder is not staged
     faster than it can be embedded."""
 
-    def __init__(self, queue: asyncio.Queue[_Message], settled: Settled) -> None:
+    def __init__(self, queue: asyncio.Queue[_Message], settled: Settled, on_changed: Callable[[str], None]) -> None:
         self._queue = queue
         self._settled = settled
+        self._on_changed = on_changed
 
     async def changed(self, message: DocumentChanged) -> None:
+        self._on_changed(message.header.connection_id)
         await self._queue.put(message)
 
     async def deleted(self, message: DocumentDeleted) -> None:
@@ -61,6 +89,7 @@ class MemoryTransport:
     ) -> None:
         self._store = store
         self._indexer = indexer
+        self._embed = embedder
         self._document = DocumentRun(chunker, embedder, indexer)
         self._workers = workers
         self._retry = retry or StageRetry()
@@ -72,7 +101,7 @@ class MemoryTransport:
         async with asyncio.TaskGroup() as group:
             for _ in range(self._workers):
                 group.create_task(self._work(queue, settled, on_settled))
-            yield _QueueDelivery(queue, settled)
+            yield _QueueDelivery(queue, settled, _ModelWarmUp(self._embed, group).changed)
             for _ in range(self._workers):
                 await queue.put(None)
 
