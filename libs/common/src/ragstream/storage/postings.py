@@ -171,6 +171,10 @@ class ImpactOrderedPostings:
     """The read side of migration 0017's postings (see the module docstring).
 
     ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap.
+    The defaults of ``exact_below`` and ``max_read_share`` are measured on the PostgreSQL 15 docs
+    (6,946 chunks, 200 page titles; docs/benchmarks.md, "Hybrid search latency beside LlamaIndex"):
+    since the exact scan costs in proportion to the matches, not the scope, it only wins below a few
+    hundred postings, and giving up at 10 % of the postings read paid for both paths.
     ``min_share``: a scope holding a smaller share of the terms' postings would make the lists read
     mostly chunks it excludes, so the exact path scores its own chunks instead. ``first_depth``: the
     postings read per term in the first round (4× per deeper round, up to ``max_depth``).
@@ -183,11 +187,11 @@ class ImpactOrderedPostings:
     def __init__(
         self,
         *,
-        exact_below: int = 2000,
+        exact_below: int = 500,
         min_share: float = 0.2,
         first_depth: int = 64,
         max_depth: int = 16384,
-        max_read_share: float = 0.1,
+        max_read_share: float = 0.5,
     ) -> None:
         self.exact_below = exact_below
         self.min_share = min_share
