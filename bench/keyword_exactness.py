@@ -33,6 +33,7 @@ from ragstream.chunking import MarkdownChunker
 from ragstream.core.search import SearchFilters
 from ragstream.parsing import Parser
 from ragstream.segmentation import query_terms
+from ragstream.settings import Settings
 from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
@@ -95,7 +96,10 @@ def percentile(values: list[float], share: float) -> float:
 
 
 async def compare(lang: str, pool: asyncpg.Pool, queries: list[Query], answer_of: dict[str, str]) -> dict[str, Any]:
-    fast, exact = SearchStore(pool), SearchStore(pool, impact_ordered=False)
+    # The settings' BM25 parameters: the postings' reference (migration 0023) serves only those.
+    defaults = Settings()
+    bm25 = {"bm25_k1": defaults.bm25_k1, "bm25_b": defaults.bm25_b}
+    fast, exact = SearchStore(pool, **bm25), SearchStore(pool, impact_ordered=False, **bm25)
     scope = Scope.build(SearchFilters(), None, first_param=3)
     for store in (fast, exact):  # statistics cached, plans warm
         await leg(store, queries[0], scope)

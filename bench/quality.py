@@ -68,8 +68,9 @@ from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import connect_pool
 from ragstream.storage.documents import DocumentStore, document_id
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
+from ragstream.storage.postings import BM25_TERMS
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import _BM25_HITS, _BM25_TERMS, Hit, SearchStore
+from ragstream.storage.search import _BM25_HITS, Hit, SearchStore
 
 __all__ = ["main"]
 
@@ -381,7 +382,7 @@ async def tune_bm25(
     )
     assert stats is not None
     averages = (stats["words"] or 1.0, stats["bigrams"] or 1.0)
-    sql = _BM25_FEATURES.format(terms=_BM25_TERMS.format(text=2), joins=scope.joins, scope=scope.sql)
+    sql = _BM25_FEATURES.format(terms=BM25_TERMS.format(text=2), joins=scope.joins, scope=scope.sql)
     grid = list(itertools.product(BM25_GRID_K1, BM25_GRID_B, BM25_GRID_BIGRAM_WEIGHT))
     runs = {params: Run() for params in grid}
     for query, query_terms_ in zip(queries, terms, strict=True):

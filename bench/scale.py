@@ -242,7 +242,10 @@ async def legs(
     pool: asyncpg.Pool, table: str, dimension: int, queries: list[str], exact_queries: int
 ) -> dict[str, Any]:
     scope = Scope.build(SearchFilters(), None, first_param=3)
-    fast, exact = SearchStore(pool), SearchStore(pool, impact_ordered=False)
+    # The settings' BM25 parameters: the postings' reference (migration 0023) serves only those.
+    defaults = Settings()
+    bm25 = {"bm25_k1": defaults.bm25_k1, "bm25_b": defaults.bm25_b}
+    fast, exact = SearchStore(pool, **bm25), SearchStore(pool, impact_ordered=False, **bm25)
     rng = np.random.default_rng(7)
     results: dict[str, Timings] = {"keyword": Timings(), "keyword, every match scored": Timings(), "vector": Timings()}
     for store in (fast, exact):  # cached statistics, warm plans

@@ -19,12 +19,16 @@ from ragstream.messages import ChunkPayload, DocumentDeleted, DocumentHeader, In
 from ragstream.retrieval import Principal, SearchFilters
 from ragstream.runtime import Runtime, open_runtime
 from ragstream.segmentation import query_terms
+from ragstream.settings import Settings
 from ragstream.storage.database import apply_migrations
 from ragstream.storage.documents import document_id
 from ragstream.storage.postings import ImpactOrderedPostings, refresh_impacts
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
 from tests.support.connections import private_database
+
+# The keyword leg's default BM25 parameters, which the postings' reference holds (migration 0023).
+BM25 = {"bm25_k1": Settings.model_fields["bm25_k1"].default, "bm25_b": Settings.model_fields["bm25_b"].default}
 
 pytestmark = pytest.mark.integration
 
@@ -138,14 +142,14 @@ async def _compare(
     pool: asyncpg.Pool, queries: Sequence[str], scopes: dict[str, tuple[SearchFilters, Principal | None]]
 ) -> dict[str, dict[str, int]]:
     """Top-10 of the postings against the exact scan per scope; returns the paths each scope took."""
-    exact = SearchStore(pool, impact_ordered=False)
+    exact = SearchStore(pool, impact_ordered=False, **BM25)
     paths: dict[str, dict[str, int]] = {}
     shared = 0
     total = 0
     for label, (filters, principal) in scopes.items():
         # Every scope size and every round count gets exercised: no small-scope shortcut, shallow first reads.
         forced = ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4, max_read_share=1.0)
-        fast = SearchStore(pool, postings=forced)
+        fast = SearchStore(pool, postings=forced, **BM25)
         scope = Scope.build(filters, principal, first_param=3)
         for text in queries:
             terms = query_terms(text)
@@ -261,9 +265,10 @@ async def test_the_migration_backfills_an_existing_database(runtime: Runtime, da
                 " DROP FUNCTION keyword_apply, keyword_refresh_impacts, keyword_chunk_terms, keyword_impact,"
                 "  keyword_term; DROP TYPE keyword_chunk;"
                 " ALTER TABLE chunks DROP COLUMN posting_key;"
-                " DELETE FROM schema_migrations WHERE name = '0017_keyword_postings.sql'"
+                " DELETE FROM schema_migrations"
+                "  WHERE name IN ('0017_keyword_postings.sql', '0023_keyword_reference_defaults.sql')"
             )
-        assert await apply_migrations(dsn) == ["0017_keyword_postings.sql"]
+        assert await apply_migrations(dsn) == ["0017_keyword_postings.sql", "0023_keyword_reference_defaults.sql"]
         async with open_runtime(runtime.settings, dsn) as own:
             await _assert_postings_match_chunks(own.pool)
             reference = await own.pool.fetchval("SELECT average_words FROM keyword_reference")

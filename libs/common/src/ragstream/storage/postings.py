@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import asyncpg
 
 if TYPE_CHECKING:
     from ragstream.storage.scope import Scope
 
-__all__ = ["BM25_SCORE", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
+__all__ = ["BM25_SCORE", "BM25_TERMS", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
 
 # The BM25 sum of a chunk over its (field, lexeme, tf, dl, df) rows, given p(k1, b, n, avg_words,
 # avg_bigrams, bigram_weight). Shared with the exact path so that both compute identical scores.
@@ -34,27 +34,55 @@ BM25_SCORE = """sum(CASE field WHEN 0 THEN 1 ELSE p.bigram_weight END
                    / (tf + p.k1 * (1 - p.b + p.b * dl / CASE field WHEN 0 THEN p.avg_words ELSE p.avg_bigrams END))
                )"""
 
-# The terms' in-scope document frequencies from keyword_df, read through the caller's scope clause:
-# keyword_df stands in for the chunks (``c``: its index_version, no ACL), a row with the connection
-# for the document (``d``). Only valid for scopes without document filters (Scope.document_filters);
-# ``restricted`` counts chunks with an ACL in connections that check it, which only an exact scan can
-# judge. $1/$2: the fields and lexemes; the scope's parameters from $3.
-_FREQUENCIES = """
-    WITH q AS (SELECT * FROM unnest($1::smallint[], $2::text[]) AS q(field, lexeme)),
+# The query's terms, shared with the exact path (storage/search.py). BM25 scores single lexemes of
+# two fields:
+# - words (search_vector): the query's lexemes under the index's normalisation (stemmed English,
+#   jieba words, identifiers);
+# - CJK character bigrams (bigram_vector, migration 0004) of the raw query text, when the caller
+#   passes it: they match Chinese that jieba cut differently in the query and in the chunk.
+# Each lexeme is quoted as a one-lexeme tsquery (quotes and backslashes doubled) and all are OR-ed,
+# so that the GIN indexes find every chunk holding at least one of them. MATERIALIZED: inlined, the
+# normalisation would run again for every candidate row.
+_OR_QUERY = r"""NULLIF(array_to_string(ARRAY(
+        SELECT '''' || replace(replace(lexeme, '\', '\\'), '''', '''''') || ''''
+        FROM unnest({lexemes}) AS lexeme
+    ), ' | '), '')::tsquery"""
+BM25_TERMS = f"""
+    SELECT lexemes, {_OR_QUERY.format(lexemes="lexemes")} AS query,
+           bigrams, {_OR_QUERY.format(lexemes="bigrams")} AS bigram_query
+    FROM (SELECT tsvector_to_array(to_tsvector('english', array_to_string($1::text[], ' '))) AS lexemes,
+                 tsvector_to_array(to_tsvector('simple', cjk_bigrams(coalesce(${{text}}::text, '')))) AS bigrams) AS t
+"""
+
+# In one statement (one round trip): the query's lexemes and bigrams (BM25_TERMS), the reference
+# statistics the impacts were stored under (keyword_reference) and each term's in-scope document
+# frequency from keyword_df, read through the caller's scope clause: keyword_df stands in for the
+# chunks (``c``: its index_version, no ACL), a row with the connection for the document (``d``). Only
+# valid for scopes without document filters (Scope.document_filters); ``restricted`` counts chunks
+# with an ACL in connections that check it, which only an exact scan can judge. $1/$2: the query's
+# words and raw text; the scope's parameters from $3.
+_FREQUENCIES = f"""
+    WITH t AS MATERIALIZED ({BM25_TERMS.format(text=2)}),
+    q AS (SELECT 0::smallint AS field, lexeme FROM t, unnest(t.lexemes) AS lexeme
+          UNION ALL SELECT 1::smallint, lexeme FROM t, unnest(t.bigrams) AS lexeme),
     scoped AS (
         SELECT c.field, c.lexeme, c.chunks, CASE WHEN k.skip_acl THEN 0 ELSE c.restricted END AS restricted
         FROM (SELECT f.*, NULL::text[] AS acl FROM keyword_df f JOIN q USING (field, lexeme)) AS c
         JOIN connections k ON k.id = c.connection_id
         CROSS JOIN LATERAL (SELECT 'indexed'::text AS status, c.connection_id) AS d
-        WHERE {scope})
-    SELECT q.field, q.lexeme, keyword_term(q.field, q.lexeme) AS term,
-           coalesce((SELECT sum(s.chunks) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)::float8
-               AS df,
-           coalesce((SELECT sum(s.restricted) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)
-               AS restricted,
-           coalesce((SELECT sum(f.chunks) FROM keyword_df f WHERE f.field = q.field AND f.lexeme = q.lexeme), 0)::float8
-               AS everywhere
-    FROM q
+        WHERE {{scope}}),
+    frequencies AS (
+        SELECT q.field, q.lexeme, keyword_term(q.field, q.lexeme) AS term,
+               coalesce((SELECT sum(s.chunks) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)::float8
+                   AS df,
+               coalesce((SELECT sum(s.restricted) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)
+                   AS restricted,
+               coalesce((SELECT sum(f.chunks) FROM keyword_df f WHERE f.field = q.field AND f.lexeme = q.lexeme),
+                        0)::float8 AS everywhere
+        FROM q)
+    SELECT t.lexemes, t.bigrams, r.k1, r.b, r.average_words, r.average_bigrams,
+           ARRAY(SELECT ROW(field, lexeme, term, df, restricted, everywhere) FROM frequencies) AS terms
+    FROM t LEFT JOIN keyword_reference r ON true
 """
 
 # One round of reading: the best postings of each term (an index range scan each, as deep as that
@@ -119,6 +147,17 @@ class Bm25Statistics:
     average_bigrams: float
 
 
+class _Frequency(NamedTuple):
+    """A query term's row of ``_FREQUENCIES``."""
+
+    field: int
+    lexeme: str
+    term: int
+    df: float
+    restricted: int
+    everywhere: float
+
+
 @dataclass(frozen=True, slots=True)
 class _Term:
     field: int
@@ -132,6 +171,10 @@ class ImpactOrderedPostings:
     """The read side of migration 0017's postings (see the module docstring).
 
     ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap.
+    The defaults of ``exact_below`` and ``max_read_share`` are measured on the PostgreSQL 15 docs
+    (6,946 chunks, 200 page titles; docs/benchmarks.md, "Hybrid search latency beside LlamaIndex"):
+    since the exact scan costs in proportion to the matches, not the scope, it only wins below a few
+    hundred postings, and giving up at 10 % of the postings read paid for both paths.
     ``min_share``: a scope holding a smaller share of the terms' postings would make the lists read
     mostly chunks it excludes, so the exact path scores its own chunks instead. ``first_depth``: the
     postings read per term in the first round (4× per deeper round, up to ``max_depth``).
@@ -144,11 +187,11 @@ class ImpactOrderedPostings:
     def __init__(
         self,
         *,
-        exact_below: int = 2000,
+        exact_below: int = 500,
         min_share: float = 0.2,
         first_depth: int = 64,
         max_depth: int = 16384,
-        max_read_share: float = 0.1,
+        max_read_share: float = 0.5,
     ) -> None:
         self.exact_below = exact_below
         self.min_share = min_share
@@ -159,51 +202,52 @@ class ImpactOrderedPostings:
     async def top(
         self,
         db: Any,
-        lexemes: Sequence[str],
-        bigrams: Sequence[str],
+        words: Sequence[str],
+        query: str | None,
         limit: int,
         scope: Scope,
         statistics: Bm25Statistics,
     ) -> tuple[str, list[tuple[str, float]] | None]:
-        """The path taken and the exact BM25 top ``limit`` (``None``: the caller must score exactly)."""
+        """The path taken and the exact BM25 top ``limit`` (``None``: the caller must score exactly)
+        of the query's ``words`` and, with ``query``, its CJK bigrams (``BM25_TERMS``)."""
         if scope.document_filters:
             return "exact: document filters", None
-        reference = await db.fetchrow("SELECT k1, b, average_words, average_bigrams FROM keyword_reference")
-        if reference is None or (reference["k1"], reference["b"]) != (statistics.k1, statistics.b):
+        reference = await db.fetchrow(_FREQUENCIES.format(scope=scope.sql), list(words), query, *scope.params)
+        assert reference is not None
+        if reference["k1"] is None or (reference["k1"], reference["b"]) != (statistics.k1, statistics.b):
             return "exact: other k1, b", None
-        fields = [0] * len(lexemes) + [1] * len(bigrams)
-        rows = await db.fetch(_FREQUENCIES.format(scope=scope.sql), fields, [*lexemes, *bigrams], *scope.params)
-        if any(row["restricted"] for row in rows):
+        rows = [_Frequency(*row) for row in reference["terms"]]
+        if any(row.restricted for row in rows):
             return "exact: ACL", None
-        present = [row for row in rows if row["df"] > 0]
+        present = [row for row in rows if row.df > 0]
         if not present:
             return "postings", []
-        in_scope = sum(row["df"] for row in present)
+        in_scope = sum(row.df for row in present)
         if in_scope < self.exact_below:
             return "exact: small scope", None
-        if in_scope < self.min_share * sum(row["everywhere"] for row in present):
+        if in_scope < self.min_share * sum(row.everywhere for row in present):
             return "exact: selective scope", None
         drift = {
             0: _drift(statistics.average_words, reference["average_words"]),
             1: _drift(statistics.average_bigrams, reference["average_bigrams"]),
         }
-        if any(drift[row["field"]] == math.inf for row in present):
+        if any(drift[row.field] == math.inf for row in present):
             return "exact: no reference lengths", None
         terms = [
             _Term(
-                row["field"],
-                row["lexeme"],
-                row["term"],
-                row["df"],
-                (1.0 if row["field"] == 0 else statistics.bigram_weight)
-                * _idf(statistics.chunks, row["df"])
-                * drift[row["field"]]
+                row.field,
+                row.lexeme,
+                row.term,
+                row.df,
+                (1.0 if row.field == 0 else statistics.bigram_weight)
+                * _idf(statistics.chunks, row.df)
+                * drift[row.field]
                 * self._SLACK,
             )
             for row in present
         ]
         depths = [self.first_depth] * len(terms)
-        scorer = _Scorer(db, terms, lexemes, bigrams, limit, scope, statistics)
+        scorer = _Scorer(db, terms, reference["lexemes"], reference["bigrams"], limit, scope, statistics)
         while True:
             row = await db.fetchrow(_READ, [t.key for t in terms], depths, [t.bound for t in terms])
             assert row is not None

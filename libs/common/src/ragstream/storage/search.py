@@ -16,7 +16,7 @@ import numpy as np
 
 from ragstream.core.vectors import Block, Vectors
 from ragstream.storage.database import DatabaseBusy
-from ragstream.storage.postings import BM25_SCORE, Bm25Statistics, ImpactOrderedPostings
+from ragstream.storage.postings import BM25_SCORE, BM25_TERMS, Bm25Statistics, ImpactOrderedPostings
 from ragstream.storage.scope import Scope
 from ragstream.storage.sql import identifier
 
@@ -34,26 +34,13 @@ _TSQUERY = """
     ), ' | '), '')::tsquery AS query
 """
 
-# BM25 scores single lexemes of two fields:
-# - words (search_vector): the query's lexemes under the index's normalisation (stemmed English,
-#   jieba words, identifiers);
-# - CJK character bigrams (bigram_vector, migration 0004) of the raw query text, when the caller
-#   passes it: they match Chinese that jieba cut differently in the query and in the chunk.
-# Each lexeme is quoted as a one-lexeme tsquery (quotes and backslashes doubled) and all are OR-ed,
-# so that the GIN indexes find every chunk holding at least one of them. MATERIALIZED: inlined, the
-# normalisation would run again for every candidate row.
-_OR_QUERY = r"""NULLIF(array_to_string(ARRAY(
-        SELECT '''' || replace(replace(lexeme, '\', '\\'), '''', '''''') || ''''
-        FROM unnest({lexemes}) AS lexeme
-    ), ' | '), '')::tsquery"""
-_BM25_TERMS = f"""
-    SELECT lexemes, {_OR_QUERY.format(lexemes="lexemes")} AS query,
-           bigrams, {_OR_QUERY.format(lexemes="bigrams")} AS bigram_query
-    FROM (SELECT tsvector_to_array(to_tsvector('english', array_to_string($1::text[], ' '))) AS lexemes,
-                 tsvector_to_array(to_tsvector('simple', cjk_bigrams(coalesce(${{text}}::text, '')))) AS bigrams) AS t
-"""
-
 # One row per (candidate chunk, field, matched lexeme) with its term frequency and the field length:
+# - the candidates: the chunks holding a query lexeme, found first by the GIN indexes (``matched``,
+#   MATERIALIZED), then checked against the scope. Written as one join, the scope was planned first:
+#   PostgreSQL misjudges the scope's size (documents joined to a one-row connections table looked like
+#   2 rows for 400), so it read every chunk in scope and tested each vector with @@, which cost
+#   O(scope) instead of O(matches) (docs/benchmarks.md, "Hybrid search latency beside LlamaIndex").
+#   ``matched`` carries the chunk columns the scope clause and the score read (``Scope.build``);
 # - tf: positions of the lexeme in the chunk (title and heading included, as in the vectors). The
 #   vectors are first cut down to the query's lexemes in C (setweight on those lexemes, then
 #   ts_filter on that weight): unnesting whole vectors costs about 6x more on InsuranceQA. The cut
@@ -61,10 +48,14 @@ _BM25_TERMS = f"""
 # - dl: chunks.lexeme_count / chunks.bigram_count, written with the vectors at index time.
 _BM25_HITS = """
     WITH q AS MATERIALIZED ({terms}),
+    matched AS MATERIALIZED (
+        SELECT c.id, c.document_id, c.index_version, c.acl, c.lexeme_count, c.bigram_count,
+               c.search_vector, c.bigram_vector
+        FROM q, chunks c WHERE c.search_vector @@ q.query OR c.bigram_vector @@ q.bigram_query),
     hits AS (
         SELECT c.id, h.field, CASE h.field WHEN 0 THEN c.lexeme_count ELSE c.bigram_count END AS dl,
                h.lexeme, greatest(h.tf, 1) AS tf
-        FROM q, chunks c {joins}, LATERAL (
+        FROM q, matched c {joins}, LATERAL (
             SELECT 0 AS field, m.lexeme, cardinality(m.positions) AS tf
             FROM unnest(ts_filter(setweight(c.search_vector, 'B', q.lexemes), '{{b}}')) AS m
             WHERE m.lexeme = ANY(q.lexemes)
@@ -73,7 +64,7 @@ _BM25_HITS = """
             FROM unnest(ts_filter(setweight(c.bigram_vector, 'B', q.bigrams), '{{b}}')) AS m
             WHERE m.lexeme = ANY(q.bigrams)
         ) AS h
-        WHERE (c.search_vector @@ q.query OR c.bigram_vector @@ q.bigram_query) AND {scope}
+        WHERE {scope}
     )"""
 
 # Okapi BM25 per field with Lucene's idf ln(1 + (N - df + 0.5) / (df + 0.5)), the bigram field's
@@ -442,7 +433,7 @@ class SearchStore:
             self.keyword_paths[path] += 1
             if found is not None:
                 return [Hit(*hit) for hit in found]
-        terms_sql = _BM25_TERMS.format(text=numbers.pop("text"))
+        terms_sql = BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
             _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers),
             list(terms),
@@ -457,13 +448,9 @@ class SearchStore:
     ) -> tuple[str, list[tuple[str, float]] | None]:
         """The BM25 top-k read from the impact-ordered postings (``ImpactOrderedPostings``): the
         path it took, and ``None`` when this query and scope need the exact scan."""
-        row = await self._db.fetchrow(
-            f"SELECT lexemes, bigrams FROM ({_BM25_TERMS.format(text=2)}) AS t", list(terms), query
-        )
-        assert row is not None
         k1, b, bigram_weight = self._bm25
         statistics = Bm25Statistics(k1, b, bigram_weight, stats.chunks, stats.average_words, stats.average_bigrams)
-        return await self._postings.top(self._db, row["lexemes"], row["bigrams"], limit, scope, statistics)
+        return await self._postings.top(self._db, terms, query, limit, scope, statistics)
 
     async def _corpus_stats(self) -> _CorpusStats:
         """Number of chunks and average field lengths, at most ``stats_ttl_s`` old.
