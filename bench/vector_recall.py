@@ -18,7 +18,7 @@ For each ef_search, the plain post-filtered HNSW query (``SET hnsw.ef_search``, 
 ``SearchStore.vector_leg`` (the policy in production). Recall@30 = |returned ∩ exact top 30| /
 min(30, visible).
 
-    source /tmp/wtenv && /work/main/.venv/bin/python bench/vector_recall.py
+    .venv/bin/python bench/vector_recall.py
 
 ``DATABASE_URL`` wins (the bench then writes ``bench-*`` connections and an ``embeddings_bench_*``
 table into that database); otherwise a private server keeps its data in ``--data-dir``, so a second
