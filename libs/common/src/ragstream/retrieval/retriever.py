@@ -278,11 +278,16 @@ class HybridRetriever:
         keyword: list[Hit],
         fusion: RrfFusion | ConvexFusion,
     ) -> list[tuple[str, float]]:
-        """The keyword leg fused with every vector ranking, each weighted as ``fusion`` says for its name."""
+        """The keyword leg fused with every vector ranking, each weighted as ``fusion`` says for its name.
+        Beside a space of blocks, the ranking of whole vectors (connections of another model in the same
+        scope) weighs as much as all the blocks together: each connection's chunks get one vector side."""
+        weights = {name: fusion.weight_of(name) for name in vector}
+        if VECTOR in weights and len(weights) > 1:
+            weights[VECTOR] = sum(weight for name, weight in weights.items() if name != VECTOR)
         if isinstance(fusion, RrfFusion):
             return reciprocal_rank_fusion(
                 [[hit.chunk_id for hit in hits] for hits in vector.values()] + [[hit.chunk_id for hit in keyword]],
-                weights=[fusion.weight_of(name) for name in vector] + [fusion.keyword_weight],
+                weights=[*weights.values(), fusion.keyword_weight],
                 k=fusion.k,
             )
         scored = []
@@ -295,7 +300,7 @@ class HybridRetriever:
                     # Each chunk's similarity in its own connection's space: the leg's scope says whose.
                     scope = leg.scope if leg.restricted else None
                     similarity.update(await store.similarities(leg.table, leg.vector, missing, scope, leg.block))
-            scored.append(VectorScores(fusion.weight_of(name), hits, similarity))
+            scored.append(VectorScores(weights[name], hits, similarity))
         return convex_fusion(scored, keyword, alpha=fusion.alpha)
 
     async def _rerank(

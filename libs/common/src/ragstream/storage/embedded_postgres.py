@@ -437,6 +437,8 @@ class EmbeddedPostgres:
                 break
             time.sleep(_POLL_S)
         try:
+            if fields[7].strip() != "ready":  # still starting after the timeout: a postmaster answers anyway
+                raise ValueError("the server is not ready")
             port = int(fields[3])
             _answer(port)
         except (IndexError, ValueError, OSError) as error:
@@ -486,8 +488,22 @@ class EmbeddedPostgres:
                 self._launched = None
                 raise self._error(f"postgres (pid {pid}) exited while starting")
             if time.monotonic() > deadline:
+                self._abandon(pid)
                 raise self._error(f"postgres (pid {pid}) does not accept connections after {_START_TIMEOUT_S:.0f}s")
             time.sleep(_POLL_S)
+
+    def _abandon(self, pid: int, grace_s: float = 10.0) -> None:
+        """Stop a server of ours that never became ready (immediate shutdown, then a kill) and collect it,
+        so no postmaster is left running without an owner."""
+        os.kill(pid, signal.SIGQUIT)
+        deadline = time.monotonic() + grace_s
+        while not _exited(pid):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(_POLL_S)
+        self._launched = None
 
     def _reap(self) -> None:
         """Collect the server we started if it has exited: no zombie is left behind."""
