@@ -76,9 +76,9 @@ def _queries(name: str) -> list[dict[str, str]]:
 
 async def test_the_bundled_knowledge_base_is_found_in_each_language_and_across_them(database_url: str) -> None:
     """Every sample query (15 English, 15 Chinese) finds its page in the top 10 with the bilingual space,
-    whose two block indexes exist; of the 26 cross-lingual ones (a Chinese question for an English page and
-    the reverse), which only the USE block can find, at least 6 do at the fusion measured for the space
-    (6 when measured; 9 for the USE space at its own fusion: docs/retrieval-quality.md)."""
+    whose two block indexes exist, and so do at least 24 of the 26 cross-lingual ones (a Chinese question
+    for an English page and the reverse; 26 when measured, 9 for the USE space at its own fusion): only the
+    USE block finds those, and the space's fusion weighs its hits in the other language high."""
     embedding = EmbeddingSettings(provider="bilingual", model_dir=MODEL_DIR)
     async with private_database(database_url) as dsn, open_runtime(Settings(embedding=embedding), dsn) as runtime:
         connector = FolderConnector(KNOWLEDGE_BASE)
@@ -100,4 +100,4 @@ async def test_the_bundled_knowledge_base_is_found_in_each_language_and_across_t
         same_language = [query["id"] for query in _queries("sample-queries.jsonl") if not await found(query)]
         across = [query["id"] for query in _queries("cross-lingual-queries.jsonl") if await found(query)]
     assert same_language == []
-    assert len(across) >= 6, across
+    assert len(across) >= 24, across

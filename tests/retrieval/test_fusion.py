@@ -166,3 +166,18 @@ def test_several_vector_rankings_share_the_vector_side_by_their_weights() -> Non
     )
     fusion = RrfFusion(k=10, vector_weight=0.5, block_weights={"use": 2.0})
     assert (fusion.weight_of("use"), fusion.weight_of("bge"), fusion.weight_of(VECTOR)) == (2.0, 0.5, 0.5)
+
+
+def test_an_item_of_a_ranking_can_weigh_more_than_its_ranking() -> None:
+    """The bilingual space weighs the USE leg's hits in the other language than the query's higher."""
+    rankings = [["same", "other"], ["kw"]]
+    plain = dict(reciprocal_rank_fusion(rankings, weights=[0.25, 1.0], k=10))
+    weighted = dict(reciprocal_rank_fusion(rankings, weights=[0.25, 1.0], k=10, item_weights=[{"other": 2.0}, {}]))
+    assert plain["other"] == pytest.approx(0.25 / 12) and weighted["other"] == pytest.approx(2.0 / 12)
+    assert weighted["same"] == plain["same"] == pytest.approx(0.25 / 11)
+    assert (
+        order(reciprocal_rank_fusion(rankings, weights=[0.25, 1.0], k=10, item_weights=[{"other": 2.0}, {}]))[0]
+        == "other"
+    )
+    with pytest.raises(ValueError, match="one weight per ranking"):
+        reciprocal_rank_fusion(rankings, item_weights=[{}])

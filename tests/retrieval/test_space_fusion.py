@@ -116,7 +116,7 @@ async def test_fusion_is_set_and_taken_back_over_http(runtime: Runtime, scope: S
         )
 
         put = await client.put(f"/v1/spaces/{key}/fusion", json=OWN)
-        shown = {**OWN, "block_weights": {}}  # the fields a caller left out, at their defaults
+        shown = {**OWN, "block_weights": {}, "cross_language_weights": {}}  # the fields left out, at their defaults
         assert put.status_code == 200 and (put.json()["fusion"], put.json()["fusion_origin"]) == (shown, "space")
         assert (await SpaceStore(runtime.pool).spaces())[0].fusion == shown
 

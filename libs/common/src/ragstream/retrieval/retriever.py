@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ragstream.core.search import SearchRequest, SearchResponse, SearchResult
 from ragstream.core.vectors import Block, vector_blocks
 from ragstream.embedding.base import Embedder, Vectors
+from ragstream.embedding.bilingual import is_chinese
 from ragstream.embedding.spaces import ActiveSpace
 from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview, truncate_text
 from ragstream.retrieval.fusion import (
@@ -181,7 +182,7 @@ class HybridRetriever:
                     for leg in self._legs_of(space, await embeddings[space.model_key], scope, len(spaces))
                 ]
                 vector = await self._vector_legs(store, legs)
-                fused = await self._fuse(store, legs, vector, keyword, self._fusion_of(spaces))
+                fused = await self._fuse(store, legs, vector, keyword, self._fusion_of(spaces), query)
                 records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
         finally:
             for task in embeddings.values():
@@ -277,6 +278,7 @@ class HybridRetriever:
         vector: dict[str, list[Hit]],
         keyword: list[Hit],
         fusion: RrfFusion | ConvexFusion,
+        query: str,
     ) -> list[tuple[str, float]]:
         """The keyword leg fused with every vector ranking, each weighted as ``fusion`` says for its name.
         Beside a space of blocks, the ranking of whole vectors (connections of another model in the same
@@ -285,10 +287,17 @@ class HybridRetriever:
         if VECTOR in weights and len(weights) > 1:
             weights[VECTOR] = sum(weight for name, weight in weights.items() if name != VECTOR)
         if isinstance(fusion, RrfFusion):
+            across = [
+                await self._other_language(store, hits, query, fusion.cross_language_weights[name])
+                if name in fusion.cross_language_weights
+                else {}
+                for name, hits in vector.items()
+            ]
             return reciprocal_rank_fusion(
                 [[hit.chunk_id for hit in hits] for hits in vector.values()] + [[hit.chunk_id for hit in keyword]],
                 weights=[*weights.values(), fusion.keyword_weight],
                 k=fusion.k,
+                item_weights=[*across, {}],
             )
         scored = []
         for name, hits in vector.items():
@@ -302,6 +311,14 @@ class HybridRetriever:
                     similarity.update(await store.similarities(leg.table, leg.vector, missing, scope, leg.block))
             scored.append(VectorScores(weights[name], hits, similarity))
         return convex_fusion(scored, keyword, alpha=fusion.alpha)
+
+    @staticmethod
+    async def _other_language(store: SearchStore, hits: list[Hit], query: str, weight: float) -> dict[str, float]:
+        """``weight`` for each hit whose text is in another language than the query (Chinese or not, as the
+        bilingual embedder tells them apart)."""
+        chinese = is_chinese(query)
+        records = await store.chunks([hit.chunk_id for hit in hits])
+        return {chunk: weight for chunk, record in records.items() if is_chinese(record.text) != chinese}
 
     async def _rerank(
         self, query: str, ranked: list[tuple[ChunkRecord, float]], top_k: int
