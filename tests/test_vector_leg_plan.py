@@ -75,6 +75,7 @@ async def test_the_scope_is_checked_only_for_the_candidates(runtime: Runtime, ne
         hits, visible, seen = await SearchStore._hnsw_scan(  # the statement under test
             explaining,  # type: ignore[arg-type]
             table,
+            "e.embedding",
             vectors[0],
             30,
             scope,
