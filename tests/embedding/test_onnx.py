@@ -115,9 +115,18 @@ def test_a_jar_maven_already_fetched_is_unpacked_without_the_network(
     folder = fetch_model(pinned, tmp_path / "models", maven=maven)
 
     assert (folder / f"{pinned.stem}.onnx").read_bytes() == b"graph"
-    jar.write_bytes(_jar("other"))
-    with pytest.raises(EmbeddingError, match="not the pinned"):
-        fetch_model(pinned, tmp_path / "elsewhere", maven=maven)
+
+    downloads: list[str] = []
+
+    def download_the_pinned_jar(model: onnx.OnnxModel, target: Path, timeout_s: float) -> Path:
+        downloads.append(model.jar_url)
+        target.write_bytes(body)
+        return target
+
+    monkeypatch.setattr(onnx, "_download", download_the_pinned_jar)
+    jar.write_bytes(_jar("other"))  # a foreign or truncated jar in the local repository is passed over
+    folder = fetch_model(pinned, tmp_path / "elsewhere", maven=maven)
+    assert (folder / f"{pinned.stem}.onnx").read_bytes() == b"graph" and downloads == [pinned.jar_url]
 
 
 def test_settings_build_the_onnx_embedder() -> None:

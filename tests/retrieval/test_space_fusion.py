@@ -122,6 +122,8 @@ async def test_fusion_is_set_and_taken_back_over_http(runtime: Runtime, scope: S
 
         assert (await client.put(f"/v1/spaces/{key}/fusion", json={"kind": "convex", "alpha": 2})).status_code == 422
         assert (await client.put(f"/v1/spaces/{key}/fusion", json={"kind": "bm25f"})).status_code == 422
+        misnamed = await client.put(f"/v1/spaces/{key}/fusion", json={**OWN, "block_weights": {"bge": 2}})
+        assert misnamed.status_code == 422 and "no block 'bge'" in misnamed.json()["detail"]
         assert (await client.put("/v1/spaces/no-such-model-1/fusion", json=OWN)).status_code == 404
 
         taken_back = await client.delete(f"/v1/spaces/{key}/fusion")

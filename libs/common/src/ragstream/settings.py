@@ -17,6 +17,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ragstream.outbound import OutboundSettings, check_scheme
 
 __all__ = [
+    "BM25_B",
+    "BM25_BIGRAM_WEIGHT",
+    "BM25_K1",
     "ApiKey",
     "ApiKeys",
     "ChunkingSettings",
@@ -31,6 +34,12 @@ __all__ = [
     "StageRetrySettings",
     "VendorUrl",
 ]
+
+# The keyword leg's BM25 parameters measured on InsuranceQA (docs/retrieval-quality.md): the settings'
+# defaults, the SearchStore's, and the impact-ordered postings' reference since migration 0023.
+BM25_K1 = 0.4
+BM25_B = 0.6
+BM25_BIGRAM_WEIGHT = 0.5
 
 
 class Role(StrEnum):
@@ -316,14 +325,14 @@ class Settings(BaseSettings):
     rrf_keyword_weight: Annotated[float, Field(title="RRF weight of the keyword leg", ge=0)] = 20.0
     bm25_k1: Annotated[
         float, Field(title="BM25 k1 of the keyword leg", description="Term-frequency saturation.", ge=0)
-    ] = 0.4
+    ] = BM25_K1
     bm25_b: Annotated[
         float, Field(title="BM25 b of the keyword leg", description="Length normalisation.", ge=0, le=1)
-    ] = 0.6
+    ] = BM25_B
     bm25_bigram_weight: Annotated[
         float,
         Field(title="Weight of the Chinese character-bigram field in BM25", description="0 ranks by words only.", ge=0),
-    ] = 0.5
+    ] = BM25_BIGRAM_WEIGHT
     direct_search_timeout_s: Annotated[
         float,
         Field(

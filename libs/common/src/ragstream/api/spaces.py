@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, status
 from pydantic import BaseModel, Field
 
+from ragstream.core.vectors import vector_blocks
 from ragstream.retrieval.fusion import ConvexFusion, FusionConfig, FusionOrigin, RrfFusion, effective_fusion
 from ragstream.storage.spaces import EmbeddingSpace, SpaceStatus, SpaceStore
 
@@ -56,7 +57,16 @@ def spaces_router(store: SpaceStore, chosen: RrfFusion | ConvexFusion | None) ->
     @router.put("/{model_key}/fusion", response_model=SpaceView, responses=_NOT_FOUND)
     async def set_fusion(model_key: str, fusion: FusionConfig) -> SpaceView:
         """Fuse this space's vector leg with the keyword leg by these weights (from `bench/quality.py
-        --tune fusion` on your model, say), whatever the deployment's settings; searches use them at once."""
+        --tune fusion` on your model, say), whatever the deployment's settings; searches use them at once.
+        Weights per block name only blocks of this space's vectors (the bilingual space's ``bge``, ``use``)."""
+        blocks = {block.name for block in vector_blocks(model_key)}
+        named = set(fusion.block_weights) | set(getattr(fusion, "cross_language_weights", {}))
+        if unknown := sorted(named - blocks):
+            raise HTTPException(
+                status_code=status.HTTP_422_UNPROCESSABLE_ENTITY,
+                detail=f"the vectors of {model_key!r} have no block {', '.join(map(repr, unknown))}"
+                f" (their blocks: {', '.join(sorted(blocks)) or 'none, weigh them by vector_weight'})",
+            )
         space = await store.set_fusion(model_key, fusion.model_dump())
         if space is None:
             raise HTTPException(status_code=404, detail=f"no embedding space {model_key!r}")

