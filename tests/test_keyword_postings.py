@@ -22,10 +22,11 @@ from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
 from ragstream.storage.database import apply_migrations
 from ragstream.storage.documents import document_id
-from ragstream.storage.postings import ImpactOrderedPostings, refresh_impacts
+from ragstream.storage.postings import SELECTIVE_SCOPE, ImpactOrderedPostings, refresh_impacts
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
 from tests.support.connections import private_database
+from tests.support.plans import Explaining, rows_read
 
 # The keyword leg's default BM25 parameters, which the postings' reference holds (migration 0023).
 BM25 = {"bm25_k1": Settings.model_fields["bm25_k1"].default, "bm25_b": Settings.model_fields["bm25_b"].default}
@@ -289,3 +290,36 @@ async def test_an_english_only_corpus_is_served_from_the_postings(runtime: Runti
         queries = [corpus.query() for _ in range(15)]
         paths = await _compare(own.pool, queries, {"all": (SearchFilters(connection_ids=[connection]), None)})
         assert paths["all"] == {"postings": len(queries)}
+
+
+async def test_a_selective_scope_is_scored_from_its_own_chunks(runtime: Runtime, database_url: str) -> None:
+    """A scope holding a small share of the query terms' postings (a small connection beside large
+    ones) takes the exact scan, which reads the scope's chunks first: the same ranking as scoring
+    every match, without reading the matches of the rest of the corpus."""
+    async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
+        corpus = Corpus(random.Random(23), _vocabulary(random.Random(23), 120))
+        await _build(own, corpus)
+        small = f"kp-small-{uuid.uuid4().hex[:8]}"
+        await own.store.ensure_connection(small, "folder", small)
+        for n in range(2):
+            await _commit(own, small, f"small-{n}", [corpus.text(60) for _ in range(4)])
+        await own.pool.execute("ANALYZE")
+        scope = Scope.build(SearchFilters(connection_ids=[small]), None, first_param=3)
+        exact = SearchStore(own.pool, impact_ordered=False, **BM25)
+        selective = SearchStore(own.pool, **BM25)
+        corpus_chunks = await own.pool.fetchval("SELECT count(*) FROM chunks")
+        checked = 0
+        for text in [corpus.query() for _ in range(20)]:
+            terms = query_terms(text)
+            async with own.pool.acquire() as raw:
+                explaining = Explaining(raw)
+                selective._db = explaining  # the statements of the leg, each explained before it runs
+                got = await selective.keyword_leg(terms, 10, scope, query=text)
+            want = await exact.keyword_leg(terms, 10, scope, query=text)
+            assert [(hit.chunk_id, pytest.approx(hit.score, rel=1e-9)) for hit in got] == [
+                (hit.chunk_id, hit.score) for hit in want
+            ]
+            if selective.keyword_paths.get(SELECTIVE_SCOPE, 0) > checked:
+                checked += 1
+                assert rows_read(explaining.plan, "chunks") <= 2 * 8 < corpus_chunks / 10  # 8 chunks in scope
+        assert checked >= 15, dict(selective.keyword_paths)

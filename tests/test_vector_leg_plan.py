@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import uuid
-from typing import Any
 
-import asyncpg
 import numpy as np
 import pytest
 
@@ -14,38 +11,10 @@ from ragstream.core.search import SearchFilters
 from ragstream.runtime import Runtime
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
+from tests.support.plans import Explaining, rows_read
 from tests.test_scope_acl import connection, index
 
 pytestmark = pytest.mark.integration
-
-
-class _Explaining:
-    """Passes statements through to a connection, and keeps the plan of the vector leg's query."""
-
-    def __init__(self, connection: asyncpg.Connection) -> None:
-        self._connection = connection
-        self.plan: dict[str, Any] = {}
-
-    async def execute(self, sql: str, *args: Any) -> str:
-        return str(await self._connection.execute(sql, *args))
-
-    async def fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
-        await self._explain(sql, *args)
-        return await self._connection.fetchrow(sql, *args)
-
-    async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        await self._explain(sql, *args)
-        return list(await self._connection.fetch(sql, *args))
-
-    async def _explain(self, sql: str, *args: Any) -> None:
-        explained = await self._connection.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", *args)
-        self.plan = json.loads(explained)[0]["Plan"]
-
-
-def _rows_read(plan: dict[str, Any], relation: str) -> int:
-    """Rows the plan's scans of ``relation`` produced, over all their loops."""
-    own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == relation else 0
-    return int(own) + sum(_rows_read(child, relation) for child in plan.get("Plans", []))
 
 
 @pytest.mark.parametrize("nested_loops", ["on", "off"])
@@ -71,7 +40,7 @@ async def test_the_scope_is_checked_only_for_the_candidates(runtime: Runtime, ne
     scope = Scope.build(SearchFilters(connection_ids=[scope_id]), None, first_param=3)
     async with runtime.pool.acquire() as raw, raw.transaction():
         await raw.execute(f"SET LOCAL enable_nestloop = {nested_loops}")
-        explaining = _Explaining(raw)
+        explaining = Explaining(raw)
         hits, visible, seen = await SearchStore._hnsw_scan(  # the statement under test
             explaining,  # type: ignore[arg-type]
             table,
@@ -84,5 +53,5 @@ async def test_the_scope_is_checked_only_for_the_candidates(runtime: Runtime, ne
     assert seen == visible == ef_search and len(hits) == 30
     assert hits[0].score == pytest.approx(1.0, abs=1e-5)  # the query is the first chunk's own vector
     # 400 chunks in scope, 40 candidates: only the candidates' chunk rows are read.
-    assert _rows_read(explaining.plan, "chunks") <= ef_search
-    assert _rows_read(explaining.plan, "documents") <= ef_search
+    assert rows_read(explaining.plan, "chunks") <= ef_search
+    assert rows_read(explaining.plan, "documents") <= ef_search

@@ -25,7 +25,7 @@ import asyncpg
 if TYPE_CHECKING:
     from ragstream.storage.scope import Scope
 
-__all__ = ["BM25_SCORE", "BM25_TERMS", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
+__all__ = ["BM25_SCORE", "BM25_TERMS", "SELECTIVE_SCOPE", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
 
 # The BM25 sum of a chunk over its (field, lexeme, tf, dl, df) rows, given p(k1, b, n, avg_words,
 # avg_bigrams, bigram_weight). Shared with the exact path so that both compute identical scores.
@@ -158,6 +158,11 @@ class _Frequency(NamedTuple):
     everywhere: float
 
 
+SELECTIVE_SCOPE = "exact: selective scope"
+"""The path of a scope holding under ``min_share`` of the terms' postings: its exact scan reads the
+scope's chunks first (``SearchStore``), not every match in the corpus."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Term:
     field: int
@@ -223,10 +228,10 @@ class ImpactOrderedPostings:
         if not present:
             return "postings", []
         in_scope = sum(row.df for row in present)
+        if in_scope < self.min_share * sum(row.everywhere for row in present):
+            return SELECTIVE_SCOPE, None
         if in_scope < self.exact_below:
             return "exact: small scope", None
-        if in_scope < self.min_share * sum(row.everywhere for row in present):
-            return "exact: selective scope", None
         drift = {
             0: _drift(statistics.average_words, reference["average_words"]),
             1: _drift(statistics.average_bigrams, reference["average_bigrams"]),

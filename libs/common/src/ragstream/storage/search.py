@@ -17,7 +17,13 @@ import numpy as np
 from ragstream.core.vectors import Block, Vectors
 from ragstream.settings import BM25_B, BM25_BIGRAM_WEIGHT, BM25_K1
 from ragstream.storage.database import DatabaseBusy
-from ragstream.storage.postings import BM25_SCORE, BM25_TERMS, Bm25Statistics, ImpactOrderedPostings
+from ragstream.storage.postings import (
+    BM25_SCORE,
+    BM25_TERMS,
+    SELECTIVE_SCOPE,
+    Bm25Statistics,
+    ImpactOrderedPostings,
+)
 from ragstream.storage.scope import Scope
 from ragstream.storage.sql import identifier
 
@@ -36,23 +42,31 @@ _TSQUERY = """
 """
 
 # One row per (candidate chunk, field, matched lexeme) with its term frequency and the field length:
-# - the candidates: the chunks holding a query lexeme, found first by the GIN indexes (``matched``,
-#   MATERIALIZED), then checked against the scope. Written as one join, the scope was planned first:
-#   PostgreSQL misjudges the scope's size (documents joined to a one-row connections table looked like
-#   2 rows for 400), so it read every chunk in scope and tested each vector with @@, which cost
-#   O(scope) instead of O(matches) (docs/benchmarks.md, "Hybrid search latency beside LlamaIndex").
-#   ``matched`` carries the chunk columns the scope clause and the score read (``Scope.build``);
+# - the candidates (``matched``, MATERIALIZED, carrying the chunk columns the scope clause and the
+#   score read, ``Scope.build``), by one of two plans, each forced, since PostgreSQL misjudges the
+#   scope's size (documents joined to a one-row connections table looked like 2 rows for 400):
+#   ``_MATCHES_FIRST``, the chunks holding a query lexeme found by the GIN indexes, then checked
+#   against the scope: O(matches); written as one join, the scope was planned first, reading every
+#   chunk in scope and testing each with @@ (docs/benchmarks.md, "Hybrid search latency beside
+#   LlamaIndex"). ``_SCOPE_FIRST``, the scope's chunk ids first, each then tested with @@: O(scope),
+#   for a scope holding a small share of the corpus's matches (``ImpactOrderedPostings.top``'s
+#   "exact: selective scope"), where the other plan would read every match in the corpus;
 # - tf: positions of the lexeme in the chunk (title and heading included, as in the vectors). The
 #   vectors are first cut down to the query's lexemes in C (setweight on those lexemes, then
 #   ts_filter on that weight): unnesting whole vectors costs about 6x more on InsuranceQA. The cut
 #   drops the title/heading weight, so a heading match counts as much as a body match;
 # - dl: chunks.lexeme_count / chunks.bigram_count, written with the vectors at index time.
-_BM25_HITS = """
-    WITH q AS MATERIALIZED ({terms}),
+_MATCHED_COLUMNS = """c.id, c.document_id, c.index_version, c.acl, c.lexeme_count, c.bigram_count,
+               c.search_vector, c.bigram_vector"""
+_MATCHES = "(c.search_vector @@ q.query OR c.bigram_vector @@ q.bigram_query)"
+_MATCHES_FIRST = f"""
+    matched AS MATERIALIZED (SELECT {_MATCHED_COLUMNS} FROM q, chunks c WHERE {_MATCHES}),"""
+_SCOPE_FIRST = f"""
+    in_scope AS MATERIALIZED (SELECT c.id FROM chunks c {{joins}} WHERE {{scope}}),
     matched AS MATERIALIZED (
-        SELECT c.id, c.document_id, c.index_version, c.acl, c.lexeme_count, c.bigram_count,
-               c.search_vector, c.bigram_vector
-        FROM q, chunks c WHERE c.search_vector @@ q.query OR c.bigram_vector @@ q.bigram_query),
+        SELECT {_MATCHED_COLUMNS} FROM q, in_scope s JOIN chunks c ON c.id = s.id WHERE {_MATCHES}),"""
+_BM25_HITS = """
+    WITH q AS MATERIALIZED ({terms}),{candidates}
     hits AS (
         SELECT c.id, h.field, CASE h.field WHEN 0 THEN c.lexeme_count ELSE c.bigram_count END AS dl,
                h.lexeme, greatest(h.tf, 1) AS tf
@@ -429,14 +443,19 @@ class SearchStore:
         }
         first = 3 + len(scope.params)
         numbers = {name: first + offset for offset, name in enumerate(values)}
+        candidates = _MATCHES_FIRST
         if self._impact_ordered:
             path, found = await self._from_postings(terms, limit, scope, query, stats)
             self.keyword_paths[path] += 1
             if found is not None:
                 return [Hit(*hit) for hit in found]
+            if path == SELECTIVE_SCOPE:
+                candidates = _SCOPE_FIRST.format(joins=scope.joins, scope=scope.sql)
         terms_sql = BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
-            _BM25.format(terms=terms_sql, joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers),
+            _BM25.format(
+                terms=terms_sql, candidates=candidates, joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers
+            ),
             list(terms),
             limit,
             *scope.params,

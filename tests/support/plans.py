@@ -1,0 +1,40 @@
+"""Plans of the statements a store runs, to pin what a query reads whatever the planner believes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import asyncpg
+
+__all__ = ["Explaining", "rows_read"]
+
+
+class Explaining:
+    """Passes statements through to a connection, and keeps the plan (EXPLAIN ANALYZE) of the last
+    statement it fetched."""
+
+    def __init__(self, connection: asyncpg.Connection) -> None:
+        self._connection = connection
+        self.plan: dict[str, Any] = {}
+
+    async def execute(self, sql: str, *args: Any) -> str:
+        return str(await self._connection.execute(sql, *args))
+
+    async def fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        await self._explain(sql, *args)
+        return await self._connection.fetchrow(sql, *args)
+
+    async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        await self._explain(sql, *args)
+        return list(await self._connection.fetch(sql, *args))
+
+    async def _explain(self, sql: str, *args: Any) -> None:
+        explained = await self._connection.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", *args)
+        self.plan = json.loads(explained)[0]["Plan"]
+
+
+def rows_read(plan: dict[str, Any], relation: str) -> int:
+    """Rows the plan's scans of ``relation`` produced, over all their loops."""
+    own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == relation else 0
+    return int(own) + sum(rows_read(child, relation) for child in plan.get("Plans", []))
