@@ -8,8 +8,13 @@ The answers of ``insuranceqa-data==1.2`` are chunked as ``bench/quality.py`` chu
 top-10 overlap (chunks), nDCG@10 of both and the difference, the largest score difference at equal
 rank, the path each query took, p50/p95 of both, and the load average.
 
+``--scope small`` adds a connection of the first ``SMALL_ANSWERS`` answers again beside the corpus and
+searches it alone: a scope holding a small share of the terms' postings, which the exact scan reads
+scope first (``SELECTIVE_SCOPE``), where ``impact_ordered=False`` reads every match in the corpus.
+
     .venv/bin/pip install insuranceqa-data==1.2
-    .venv/bin/python -m bench.keyword_exactness [--lang en zh] [--split valid] [--queries N] [--limit N]
+    .venv/bin/python -m bench.keyword_exactness [--lang en zh] [--split valid] [--queries N] [--limit N] \
+        [--scope all|small]
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ragstream.parsing import Parser
 from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
 from ragstream.storage.database import connect_pool
-from ragstream.storage.documents import DocumentStore
+from ragstream.storage.documents import DocumentStore, document_id
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import Hit, SearchStore
@@ -43,6 +48,8 @@ from ragstream.storage.search import Hit, SearchStore
 __all__ = ["main"]
 
 CONNECTION = "insuranceqa"
+SMALL_CONNECTION = "insuranceqa-small"
+SMALL_ANSWERS = 20
 LEG = 30
 PLACEHOLDER_MODEL = "placeholder-keyword-bench"
 
@@ -83,6 +90,26 @@ async def ingest(pool: asyncpg.Pool, answers: dict[str, str], workers: int = 4) 
     return seconds, {row["id"]: row["external_id"] for row in rows}
 
 
+async def commit_small_connection(pool: asyncpg.Pool, answers: dict[str, str]) -> None:
+    """The first ``SMALL_ANSWERS`` answers again, as documents of a connection of their own."""
+    store = DocumentStore(pool)
+    await store.ensure_connection(SMALL_CONNECTION, "folder", "A few InsuranceQA v2 answers")
+    parser, chunker = Parser(1 << 20), MarkdownChunker()
+    vector = np.full((1, 8), 1 / np.sqrt(8), dtype=np.float32)
+    done = set(await store.committed(SMALL_CONNECTION))
+    for key in sorted(answers, key=int)[:SMALL_ANSWERS]:
+        if key in done:
+            continue
+        content = answers[key].encode()
+        parsed = parser.run(content, "text/plain", "")
+        chunks = chunker.run(parsed)
+        header = (await answer_header(store, key, content, parsed.title)).model_copy(
+            update={"document_id": document_id(SMALL_CONNECTION, key), "connection_id": SMALL_CONNECTION}
+        )
+        await store.commit_document(header, chunks, np.repeat(vector, len(chunks), axis=0), PLACEHOLDER_MODEL)
+    await pool.execute("ANALYZE")
+
+
 async def leg(store: SearchStore, query: Query, scope: Scope) -> tuple[list[Hit], float]:
     started = time.perf_counter()
     async with store.snapshot() as snapshot:
@@ -95,12 +122,14 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-async def compare(lang: str, pool: asyncpg.Pool, queries: list[Query], answer_of: dict[str, str]) -> dict[str, Any]:
+async def compare(
+    lang: str, pool: asyncpg.Pool, queries: list[Query], answer_of: dict[str, str], filters: SearchFilters
+) -> dict[str, Any]:
     # The settings' BM25 parameters: the postings' reference (migration 0023) serves only those.
     defaults = Settings()
     bm25 = {"bm25_k1": defaults.bm25_k1, "bm25_b": defaults.bm25_b}
     fast, exact = SearchStore(pool, **bm25), SearchStore(pool, impact_ordered=False, **bm25)
-    scope = Scope.build(SearchFilters(), None, first_param=3)
+    scope = Scope.build(filters, None, first_param=3)
     for store in (fast, exact):  # statistics cached, plans warm
         await leg(store, queries[0], scope)
     fast.keyword_paths.clear()
@@ -124,6 +153,7 @@ async def compare(lang: str, pool: asyncpg.Pool, queries: list[Query], answer_of
         worst = max([worst, *(abs(a.score - b.score) for a, b in zip(got, want, strict=False))])
     report = {
         "lang": lang,
+        "scope": filters.model_dump(exclude_none=True),
         "queries": len(queries),
         "chunks": len(answer_of),
         "top10_overlap": overlap / counted if counted else 1.0,
@@ -151,7 +181,11 @@ async def run(base_dsn: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             seconds, answer_of = await ingest(pool, answers)
             print(f"{lang}: {len(answer_of)} chunks, ingest {seconds:.0f} s", file=sys.stderr, flush=True)
-            reports.append(await compare(lang, pool, queries, answer_of))
+            filters = SearchFilters()
+            if args.scope == "small":
+                await commit_small_connection(pool, answers)
+                filters = SearchFilters(connection_ids=[SMALL_CONNECTION])
+            reports.append(await compare(lang, pool, queries, answer_of, filters))
         finally:
             await pool.close()
     return reports
@@ -165,6 +199,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, help="only the first N queries of the split")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "ragstream-keyword-exactness")
     parser.add_argument("--out", type=Path, help="JSON results")
+    parser.add_argument("--scope", choices=("all", "small"), default="all", help="small: a connection of a few answers")
     args = parser.parse_args()
     if dsn := os.environ.get("DATABASE_URL"):
         reports = asyncio.run(run(dsn, args))

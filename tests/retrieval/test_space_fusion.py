@@ -12,11 +12,13 @@ import pytest
 from ragstream.api.http import create_app
 from ragstream.api.spaces import spaces_router
 from ragstream.connectors.folder import FolderConnector
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY, vector_blocks
 from ragstream.retrieval import HybridRetriever, SearchFilters, SearchRequest
 from ragstream.retrieval.fusion import (
     DEFAULT_FUSION,
     MEASURED_FUSION,
     ConvexFusion,
+    QueryLanguageFusion,
     RrfFusion,
     effective_fusion,
 )
@@ -40,12 +42,27 @@ OWN = {"kind": "rrf", "k": 5, "vector_weight": 1.0, "keyword_weight": 0.5, "tune
         ("somebody-elses-model-768", None, None, (DEFAULT_FUSION, "default")),
         (USE, {"kind": "rrf", "k": 0}, None, (MEASURED_FUSION[USE], "measured")),  # unreadable: passed over
         (USE, {"kind": "bm25f"}, None, (MEASURED_FUSION[USE], "measured")),
+        (
+            USE,
+            {"kind": "query_language", "chinese": OWN, "other": {"kind": "convex"}},
+            None,
+            (QueryLanguageFusion(chinese=RrfFusion.model_validate(OWN), other=ConvexFusion()), "space"),
+        ),
     ],
 )
 def test_a_space_fuses_with_its_own_then_the_operators_then_the_measured_weights(
     model_key: str, stored: object, chosen: RrfFusion | ConvexFusion | None, expected: object
 ) -> None:
     assert effective_fusion(model_key, stored, chosen) == expected
+
+
+def test_the_bilingual_space_fuses_each_query_by_its_language() -> None:
+    measured = MEASURED_FUSION[BILINGUAL_MODEL_KEY]
+    assert isinstance(measured, QueryLanguageFusion)
+    assert measured.for_query("婚假可以休几天？") is measured.chinese
+    assert measured.for_query("How many days of marriage leave?") is measured.other
+    assert measured.chinese != measured.other
+    assert measured.blocks_named() == {block.name for block in vector_blocks(BILINGUAL_MODEL_KEY)}
 
 
 def test_the_operators_fusion_counts_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,6 +113,21 @@ async def test_the_next_search_fuses_with_the_weights_stored_for_its_space(
     assert ranked_by_keyword == sorted(ranked_by_keyword) and ranked_by_keyword
     assert [r.chunk_id for r in vector_only.results] != [r.chunk_id for r in keyword_only.results]
 
+    # A fusion per query language: the English query fuses as keyword only, a Chinese one as vector only.
+    await spaces.set_fusion(
+        runtime.embedder.model_key,
+        {
+            "kind": "query_language",
+            "chinese": {"kind": "rrf", "vector_weight": 1.0, "keyword_weight": 0.0},
+            "other": {"kind": "rrf", "vector_weight": 0.0, "keyword_weight": 1.0},
+        },
+    )
+    english = await retriever.search(request)
+    assert [r.chunk_id for r in english.results] == [r.chunk_id for r in keyword_only.results]
+    chinese = await retriever.search(request.model_copy(update={"query": "数据保留多少天 days"}))
+    ranked_by_vector = order([result.vector_rank for result in chinese.results])
+    assert ranked_by_vector == sorted(ranked_by_vector) and len(ranked_by_vector) == 4
+
 
 @pytest.mark.integration
 async def test_fusion_is_set_and_taken_back_over_http(runtime: Runtime, scope: SearchFilters) -> None:
@@ -124,6 +156,12 @@ async def test_fusion_is_set_and_taken_back_over_http(runtime: Runtime, scope: S
         assert (await client.put(f"/v1/spaces/{key}/fusion", json={"kind": "bm25f"})).status_code == 422
         misnamed = await client.put(f"/v1/spaces/{key}/fusion", json={**OWN, "block_weights": {"bge": 2}})
         assert misnamed.status_code == 422 and "no block 'bge'" in misnamed.json()["detail"]
+        per_language = {"kind": "query_language", "chinese": OWN, "other": {"kind": "convex", "alpha": 0.3}}
+        put = await client.put(f"/v1/spaces/{key}/fusion", json=per_language)
+        assert put.status_code == 200 and put.json()["fusion"]["other"]["alpha"] == 0.3
+        nested = {**per_language, "other": {"kind": "rrf", "cross_language_weights": {"use": 2}}}
+        misnamed = await client.put(f"/v1/spaces/{key}/fusion", json=nested)
+        assert misnamed.status_code == 422 and "no block 'use'" in misnamed.json()["detail"]
         assert (await client.put("/v1/spaces/no-such-model-1/fusion", json=OWN)).status_code == 404
 
         taken_back = await client.delete(f"/v1/spaces/{key}/fusion")

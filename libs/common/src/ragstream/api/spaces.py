@@ -60,8 +60,7 @@ def spaces_router(store: SpaceStore, chosen: RrfFusion | ConvexFusion | None) ->
         --tune fusion` on your model, say), whatever the deployment's settings; searches use them at once.
         Weights per block name only blocks of this space's vectors (the bilingual space's ``bge``, ``use``)."""
         blocks = {block.name for block in vector_blocks(model_key)}
-        named = set(fusion.block_weights) | set(getattr(fusion, "cross_language_weights", {}))
-        if unknown := sorted(named - blocks):
+        if unknown := sorted(fusion.blocks_named() - blocks):
             raise HTTPException(
                 status_code=status.HTTP_422_UNPROCESSABLE_ENTITY,
                 detail=f"the vectors of {model_key!r} have no block {', '.join(map(repr, unknown))}"

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ragstream.core.vectors import BILINGUAL_MODEL_KEY
+from ragstream.embedding.bilingual import is_chinese
 from ragstream.storage.search import Hit
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Fusion",
     "FusionConfig",
     "FusionOrigin",
+    "QueryLanguageFusion",
     "RrfFusion",
     "VectorScores",
     "convex_fusion",
@@ -66,6 +68,14 @@ class _Weights(BaseModel):
         """The weight of the vector ranking named ``ranking`` (``VECTOR``, or a block's name)."""
         return self.block_weights.get(ranking, self.vector_weight)
 
+    def for_query(self, query: str) -> Self:
+        """The fusion of a search for ``query``: this one, whatever its language."""
+        return self
+
+    def blocks_named(self) -> set[str]:
+        """The block names these weights name, which the space's vectors must have."""
+        return set(self.block_weights)
+
 
 class RrfFusion(_Weights):
     """Reciprocal Rank Fusion of the legs' rankings, each with its weight; a block named in
@@ -86,6 +96,9 @@ class RrfFusion(_Weights):
     ] = {}
     tuned_on: Annotated[str | None, Field(title="Where these weights were measured", max_length=500)] = None
 
+    def blocks_named(self) -> set[str]:
+        return set(self.block_weights) | set(self.cross_language_weights)
+
 
 class ConvexFusion(_Weights):
     """A convex combination of the legs' normalised scores, ``alpha`` being the keyword leg's share; with
@@ -96,13 +109,35 @@ class ConvexFusion(_Weights):
     tuned_on: Annotated[str | None, Field(title="Where this share was measured", max_length=500)] = None
 
 
-FusionConfig = Annotated[RrfFusion | ConvexFusion, Field(discriminator="kind")]
+_OneFusion = Annotated[RrfFusion | ConvexFusion, Field(discriminator="kind")]
+
+
+class QueryLanguageFusion(BaseModel):
+    """One fusion for a Chinese query and another for any other (``is_chinese``, the bilingual embedder's
+    rule), for a space whose legs differ in strength by language: in the bilingual space BGE small zh is
+    about as strong as BM25 on Chinese, BGE small en far stronger than BM25 on English."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["query_language"] = "query_language"
+    chinese: Annotated[_OneFusion, Field(title="Fusion of a Chinese query")]
+    other: Annotated[_OneFusion, Field(title="Fusion of any other query")]
+    tuned_on: Annotated[str | None, Field(title="Where these weights were measured", max_length=500)] = None
+
+    def for_query(self, query: str) -> RrfFusion | ConvexFusion:
+        return self.chinese if is_chinese(query) else self.other
+
+    def blocks_named(self) -> set[str]:
+        return self.chinese.blocks_named() | self.other.blocks_named()
+
+
+FusionConfig = Annotated[RrfFusion | ConvexFusion | QueryLanguageFusion, Field(discriminator="kind")]
 """How an embedding space's vector leg is fused with the keyword leg: stored with the space."""
 
-_FUSION = TypeAdapter[RrfFusion | ConvexFusion](FusionConfig)
+_FUSION = TypeAdapter[RrfFusion | ConvexFusion | QueryLanguageFusion](FusionConfig)
 
 
-def parse_fusion(stored: object) -> RrfFusion | ConvexFusion:
+def parse_fusion(stored: object) -> RrfFusion | ConvexFusion | QueryLanguageFusion:
     """A fusion as stored in ``embedding_spaces.fusion`` (or sent by a caller)."""
     return _FUSION.validate_python(stored)
 
@@ -114,7 +149,7 @@ FusionOrigin = Literal["space", "operator", "measured", "default"]
 
 def effective_fusion(
     model_key: str | None, stored: object, chosen: RrfFusion | ConvexFusion | None
-) -> tuple[RrfFusion | ConvexFusion, FusionOrigin]:
+) -> tuple[RrfFusion | ConvexFusion | QueryLanguageFusion, FusionOrigin]:
     """The fusion a space's searches use, and why. A stored fusion this build cannot read is logged
     and passed over: a search never fails for it."""
     if stored is not None:
@@ -135,7 +170,7 @@ DEFAULT_FUSION = ConvexFusion(alpha=0.6)
 #: The fusion measured for each bundled model on InsuranceQA ``valid`` queries 1-500 (tuned) and checked on
 #: 501-1,000 (held out), docs/retrieval-quality.md: weights follow the embedder's strength, so a
 #: space of one of these models fuses with its own measured weights unless an operator set others.
-MEASURED_FUSION: dict[str, RrfFusion | ConvexFusion] = {
+MEASURED_FUSION: dict[str, RrfFusion | ConvexFusion | QueryLanguageFusion] = {
     "use-multilingual-v3-512": ConvexFusion(
         alpha=0.6, tuned_on="InsuranceQA valid 1-500, en and zh together; held out 501-1,000: en +0.011 over BM25"
     ),
@@ -145,13 +180,13 @@ MEASURED_FUSION: dict[str, RrfFusion | ConvexFusion] = {
         keyword_weight=0.5,
         tuned_on="InsuranceQA valid 1-500, en; held out 501-1,000: 0.4202 nDCG@10, +0.013 over the vector leg",
     ),
-    BILINGUAL_MODEL_KEY: RrfFusion(
-        k=10,
-        block_weights={"bge": 1.0, "use": 0.25},
-        cross_language_weights={"use": 2.0},
-        tuned_on="InsuranceQA valid 1-500, zh (keyword + BGE small zh + USE); held out 501-1,000: 0.2780 nDCG@10, "
-        "+0.050 over the keyword leg and over the BGE leg; en not measured with the three legs; USE hits in the "
-        "other language at 2: all 26 cross-lingual questions of the bundled knowledge base find their page",
+    BILINGUAL_MODEL_KEY: QueryLanguageFusion(
+        chinese=RrfFusion(k=10, block_weights={"bge": 1.0, "use": 0.25}, cross_language_weights={"use": 2.0}),
+        other=RrfFusion(k=5, block_weights={"bge": 2.0, "use": 0.0}, cross_language_weights={"use": 3.0}),
+        tuned_on="InsuranceQA valid 1-500 per language (keyword + BGE small of the language + USE); held out "
+        "501-1,000: zh 0.2780 nDCG@10, +0.050 over the keyword leg and over the BGE leg; en 0.4184, +0.128 over "
+        "the keyword leg, +0.011 over the BGE leg; USE hits in the other language than the query's at 2 (zh) "
+        "and 3 (en): all 26 cross-lingual questions of the bundled knowledge base find their page",
     ),
     "bge-small-zh-v1.5-512": ConvexFusion(
         alpha=0.3, tuned_on="InsuranceQA valid 1-500, zh; held out 501-1,000: 0.2704 nDCG@10, +0.042 over BM25"

@@ -17,6 +17,7 @@ from ragstream.retrieval.fusion import (
     DEFAULT_FUSION,
     VECTOR,
     ConvexFusion,
+    QueryLanguageFusion,
     RrfFusion,
     VectorScores,
     convex_fusion,
@@ -182,7 +183,8 @@ class HybridRetriever:
                     for leg in self._legs_of(space, await embeddings[space.model_key], scope, len(spaces))
                 ]
                 vector = await self._vector_legs(store, legs)
-                fused = await self._fuse(store, legs, vector, keyword, self._fusion_of(spaces), query)
+                fusion = self._fusion_of(spaces).for_query(query)
+                fused = await self._fuse(store, legs, vector, keyword, fusion, query)
                 records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
         finally:
             for task in embeddings.values():
@@ -264,7 +266,7 @@ class HybridRetriever:
             for name, parts in rankings.items()
         }
 
-    def _fusion_of(self, spaces: list[SearchedSpace]) -> RrfFusion | ConvexFusion:
+    def _fusion_of(self, spaces: list[SearchedSpace]) -> RrfFusion | ConvexFusion | QueryLanguageFusion:
         """The effective fusion of the first space searched (the default space when it is one of them)."""
         space = spaces[0] if spaces else None
         if space is None:
