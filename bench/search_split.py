@@ -10,7 +10,7 @@ times through ``runtime.retriever.search`` (top-k 10, one at a time) with a stop
 * *search*: the whole ``HybridRetriever.search``;
 * *embed*: the query embedding (``HybridRetriever._embed``);
 * *snapshot open*: the pool wait, the transaction and its settings (``SearchStore.snapshot``);
-* *spaces*, *keyword*, *vector*, *fusion*, *read-back*: the statements of the snapshot;
+* *spaces*, *keyword*, *vector legs*, *fusion*, *read-back*: the statements of the snapshot;
 * *results*: result texts, previews and citations (``HybridRetriever._results``).
 
 Printed: p50 / p95 / mean per step over every pass, the 1-minute load average before and after,
@@ -87,7 +87,7 @@ class Stopwatch:
             (HybridRetriever, "search", "search"),
             (HybridRetriever, "_searched_spaces", "spaces"),
             (SearchStore, "keyword_leg", "keyword"),
-            (HybridRetriever, "_vector_leg", "vector"),
+            (HybridRetriever, "_vector_legs", "vector legs"),
             (HybridRetriever, "_fuse", "fusion"),
             (SearchStore, "chunks", "read-back"),
             (HybridRetriever, "_results", "results"),
