@@ -249,7 +249,7 @@ def shipped_default(
     language, RRF over the keyword leg and both blocks' legs, the USE leg's hits in the other language than
     the query's at their own weight."""
     shipped = MEASURED_FUSION[BILINGUAL_MODEL_KEY]
-    bge = CANDIDATES[lang][0]
+    bge = next(model for model in legs.cosines if model != "use")  # the language's BGE, or the one --models named
 
     def rank(query: int) -> list[str]:
         fusion = shipped.for_query(queries[query].text)
@@ -348,7 +348,7 @@ def score_language(
         f"vector leg, {leg}" if leg else "keyword leg": paired_difference(
             shipped["held_out"]["run"], baselines[leg]["run"], held
         )
-        for leg in (None, CANDIDATES[lang][0], "use")
+        for leg in (None, next(model for model in legs.cosines if model != "use"), "use")
         if leg in baselines
     }
     report["rows"].append(shipped)
