@@ -26,7 +26,7 @@ from ragstream.storage.postings import SELECTIVE_SCOPE, ImpactOrderedPostings, r
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
 from tests.support.connections import private_database
-from tests.support.plans import Explaining, rows_read
+from tests.support.plans import Explaining, rows_read, subplan
 
 # The keyword leg's default BM25 parameters, which the postings' reference holds (migration 0023).
 BM25 = {"bm25_k1": Settings.model_fields["bm25_k1"].default, "bm25_b": Settings.model_fields["bm25_b"].default}
@@ -295,10 +295,16 @@ async def test_an_english_only_corpus_is_served_from_the_postings(runtime: Runti
 async def test_a_selective_scope_is_scored_from_its_own_chunks(runtime: Runtime, database_url: str) -> None:
     """A scope holding a small share of the query terms' postings (a small connection beside large
     ones) takes the exact scan, which reads the scope's chunks first: the same ranking as scoring
-    every match, without reading the matches of the rest of the corpus."""
+    every match, without reading the matches of the rest of the corpus. A large scope whose terms sit
+    elsewhere reads no more of its chunk ids than there are matches, then the matches."""
     async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
         corpus = Corpus(random.Random(23), _vocabulary(random.Random(23), 120))
-        await _build(own, corpus)
+        names = await _build(own, corpus)
+        elsewhere = f"kp-elsewhere-{uuid.uuid4().hex[:8]}"
+        await own.store.ensure_connection(elsewhere, "folder", elsewhere)
+        for n in range(10):
+            await _commit(own, elsewhere, f"elsewhere-{n}", [f"quuxword {corpus.text(20)}" for _ in range(5)])
+        await _commit(own, names["open"], "one-quuxword", ["quuxword once in the large scope"])
         small = f"kp-small-{uuid.uuid4().hex[:8]}"
         await own.store.ensure_connection(small, "folder", small)
         for n in range(2):
@@ -323,3 +329,20 @@ async def test_a_selective_scope_is_scored_from_its_own_chunks(runtime: Runtime,
                 checked += 1
                 assert rows_read(explaining.plan, "chunks") <= 2 * 8 < corpus_chunks / 10  # 8 chunks in scope
         assert checked >= 15, dict(selective.keyword_paths)
+
+        connections = [names["open"], names["kb"]]
+        large = Scope.build(SearchFilters(connection_ids=connections), None, first_param=3)
+        in_large = await own.pool.fetchval(
+            "SELECT count(*) FROM chunks c JOIN documents d ON d.id = c.document_id WHERE d.connection_id = ANY($1)",
+            connections,
+        )
+        before = selective.keyword_paths[SELECTIVE_SCOPE]
+        async with own.pool.acquire() as raw:
+            explaining = Explaining(raw)
+            selective._db = explaining
+            got = await selective.keyword_leg(["quuxword"], 10, large, query="quuxword")
+        assert selective.keyword_paths[SELECTIVE_SCOPE] == before + 1
+        want = await exact.keyword_leg(["quuxword"], 10, large, query="quuxword")
+        assert [hit.chunk_id for hit in got] == [hit.chunk_id for hit in want] and len(got) == 1
+        # 51 postings of quuxword in the corpus: the scope's ids are read up to 52, not all of them.
+        assert rows_read(subplan(explaining.plan, "CTE in_scope"), "chunks") <= 53 < in_large

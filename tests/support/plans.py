@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 import asyncpg
 
-__all__ = ["Explaining", "rows_read"]
+__all__ = ["Explaining", "rows_read", "subplan"]
 
 
 class Explaining:
@@ -38,3 +39,13 @@ def rows_read(plan: dict[str, Any], relation: str) -> int:
     """Rows the plan's scans of ``relation`` produced, over all their loops."""
     own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == relation else 0
     return int(own) + sum(rows_read(child, relation) for child in plan.get("Plans", []))
+
+
+def subplan(plan: dict[str, Any], name: str) -> dict[str, Any]:
+    """The part of the plan that computes ``name`` (``"CTE matched"``, ``"InitPlan 1"``)."""
+    if plan.get("Subplan Name") == name:
+        return plan
+    for child in plan.get("Plans", []):
+        with contextlib.suppress(LookupError):
+            return subplan(child, name)
+    raise LookupError(f"no {name} in the plan")

@@ -25,7 +25,15 @@ import asyncpg
 if TYPE_CHECKING:
     from ragstream.storage.scope import Scope
 
-__all__ = ["BM25_SCORE", "BM25_TERMS", "SELECTIVE_SCOPE", "Bm25Statistics", "ImpactOrderedPostings", "refresh_impacts"]
+__all__ = [
+    "BM25_SCORE",
+    "BM25_TERMS",
+    "SELECTIVE_SCOPE",
+    "Bm25Statistics",
+    "ImpactOrderedPostings",
+    "PostingsAnswer",
+    "refresh_impacts",
+]
 
 # The BM25 sum of a chunk over its (field, lexeme, tf, dl, df) rows, given p(k1, b, n, avg_words,
 # avg_bigrams, bigram_weight). Shared with the exact path so that both compute identical scores.
@@ -160,7 +168,17 @@ class _Frequency(NamedTuple):
 
 SELECTIVE_SCOPE = "exact: selective scope"
 """The path of a scope holding under ``min_share`` of the terms' postings: its exact scan reads the
-scope's chunks first (``SearchStore``), not every match in the corpus."""
+scope's chunks first (``SearchStore``) when they are fewer than the corpus's matches."""
+
+
+class PostingsAnswer(NamedTuple):
+    """What ``ImpactOrderedPostings.top`` found: the path taken, the exact top-k (``None``: the caller
+    must score exactly), and for a selective scope the terms' postings in the whole corpus, a bound
+    of the chunks the exact scan would read matches first (0 otherwise)."""
+
+    path: str
+    hits: list[tuple[str, float]] | None
+    corpus_postings: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,32 +230,33 @@ class ImpactOrderedPostings:
         limit: int,
         scope: Scope,
         statistics: Bm25Statistics,
-    ) -> tuple[str, list[tuple[str, float]] | None]:
-        """The path taken and the exact BM25 top ``limit`` (``None``: the caller must score exactly)
-        of the query's ``words`` and, with ``query``, its CJK bigrams (``BM25_TERMS``)."""
+    ) -> PostingsAnswer:
+        """The path taken and the exact BM25 top ``limit`` of the query's ``words`` and, with
+        ``query``, its CJK bigrams (``BM25_TERMS``), when the postings give it."""
         if scope.document_filters:
-            return "exact: document filters", None
+            return PostingsAnswer("exact: document filters", None)
         reference = await db.fetchrow(_FREQUENCIES.format(scope=scope.sql), list(words), query, *scope.params)
         assert reference is not None
         if reference["k1"] is None or (reference["k1"], reference["b"]) != (statistics.k1, statistics.b):
-            return "exact: other k1, b", None
+            return PostingsAnswer("exact: other k1, b", None)
         rows = [_Frequency(*row) for row in reference["terms"]]
         if any(row.restricted for row in rows):
-            return "exact: ACL", None
+            return PostingsAnswer("exact: ACL", None)
         present = [row for row in rows if row.df > 0]
         if not present:
-            return "postings", []
+            return PostingsAnswer("postings", [])
         in_scope = sum(row.df for row in present)
-        if in_scope < self.min_share * sum(row.everywhere for row in present):
-            return SELECTIVE_SCOPE, None
+        everywhere = sum(row.everywhere for row in present)
+        if in_scope < self.min_share * everywhere:
+            return PostingsAnswer(SELECTIVE_SCOPE, None, int(everywhere))
         if in_scope < self.exact_below:
-            return "exact: small scope", None
+            return PostingsAnswer("exact: small scope", None)
         drift = {
             0: _drift(statistics.average_words, reference["average_words"]),
             1: _drift(statistics.average_bigrams, reference["average_bigrams"]),
         }
         if any(drift[row.field] == math.inf for row in present):
-            return "exact: no reference lengths", None
+            return PostingsAnswer("exact: no reference lengths", None)
         terms = [
             _Term(
                 row.field,
@@ -259,7 +278,7 @@ class ImpactOrderedPostings:
             hits = await scorer.best(row["keys"], row["bounds"])
             threshold = hits[-1][1] if len(hits) == limit else None
             if row["unread"] == 0 or (threshold is not None and threshold > row["unread"]):
-                return "postings", hits
+                return PostingsAnswer("postings", hits)
             # Deepen the lists that keep the bound of unread chunks at or above the threshold, the
             # largest first (all of them while fewer than ``limit`` chunks were found).
             open_lists = [(ordinal - 1, last) for ordinal, read, last in row["lists"] if read == depths[ordinal - 1]]
@@ -269,14 +288,14 @@ class ImpactOrderedPostings:
                 if threshold is not None and remaining < threshold:
                     break
                 if depths[index] >= self.max_depth:
-                    return "exact: too deep", None
+                    return PostingsAnswer("exact: too deep", None)
                 depths[index] *= 4
                 remaining -= rest
             # Flat impacts (many chunks alike, copies) need deep lists: past a share of the matches,
             # the scan that scores them all once is cheaper than more rounds.
             reading = sum(min(depth, term.df) for depth, term in zip(depths, terms, strict=True))
             if reading > self.max_read_share * in_scope:
-                return "exact: too deep", None
+                return PostingsAnswer("exact: too deep", None)
 
 
 class _Scorer:

@@ -23,6 +23,7 @@ from ragstream.storage.postings import (
     SELECTIVE_SCOPE,
     Bm25Statistics,
     ImpactOrderedPostings,
+    PostingsAnswer,
 )
 from ragstream.storage.scope import Scope
 from ragstream.storage.sql import identifier
@@ -48,9 +49,12 @@ _TSQUERY = """
 #   ``_MATCHES_FIRST``, the chunks holding a query lexeme found by the GIN indexes, then checked
 #   against the scope: O(matches); written as one join, the scope was planned first, reading every
 #   chunk in scope and testing each with @@ (docs/benchmarks.md, "Hybrid search latency beside
-#   LlamaIndex"). ``_SCOPE_FIRST``, the scope's chunk ids first, each then tested with @@: O(scope),
-#   for a scope holding a small share of the corpus's matches (``ImpactOrderedPostings.top``'s
-#   "exact: selective scope"), where the other plan would read every match in the corpus;
+#   LlamaIndex"). ``_SCOPE_FIRST``, for a scope holding a small share of the terms' postings
+#   (``ImpactOrderedPostings.top``'s "exact: selective scope"), where the other plan would read every
+#   match in the corpus: the scope's chunk ids first, at most one more than the terms' postings in the
+#   corpus (``{bound}``, which bounds the matches); when they are fewer, each is tested with @@:
+#   O(scope); else (a large scope whose terms sit elsewhere) the matches first after all, having read
+#   no more ids than matches. The unchosen branch's one-time filter is false, so it never runs;
 # - tf: positions of the lexeme in the chunk (title and heading included, as in the vectors). The
 #   vectors are first cut down to the query's lexemes in C (setweight on those lexemes, then
 #   ts_filter on that weight): unnesting whole vectors costs about 6x more on InsuranceQA. The cut
@@ -62,9 +66,13 @@ _MATCHES = "(c.search_vector @@ q.query OR c.bigram_vector @@ q.bigram_query)"
 _MATCHES_FIRST = f"""
     matched AS MATERIALIZED (SELECT {_MATCHED_COLUMNS} FROM q, chunks c WHERE {_MATCHES}),"""
 _SCOPE_FIRST = f"""
-    in_scope AS MATERIALIZED (SELECT c.id FROM chunks c {{joins}} WHERE {{scope}}),
+    in_scope AS MATERIALIZED (SELECT c.id FROM chunks c {{joins}} WHERE {{scope}} LIMIT {{bound}} + 1),
+    small AS MATERIALIZED (SELECT count(*) <= {{bound}} AS scope_first FROM in_scope),
     matched AS MATERIALIZED (
-        SELECT {_MATCHED_COLUMNS} FROM q, in_scope s JOIN chunks c ON c.id = s.id WHERE {_MATCHES}),"""
+        SELECT {_MATCHED_COLUMNS} FROM q, in_scope s JOIN chunks c ON c.id = s.id
+        WHERE (SELECT scope_first FROM small) AND {_MATCHES}
+        UNION ALL
+        SELECT {_MATCHED_COLUMNS} FROM q, chunks c WHERE NOT (SELECT scope_first FROM small) AND {_MATCHES}),"""
 _BM25_HITS = """
     WITH q AS MATERIALIZED ({terms}),{candidates}
     hits AS (
@@ -445,12 +453,12 @@ class SearchStore:
         numbers = {name: first + offset for offset, name in enumerate(values)}
         candidates = _MATCHES_FIRST
         if self._impact_ordered:
-            path, found = await self._from_postings(terms, limit, scope, query, stats)
-            self.keyword_paths[path] += 1
-            if found is not None:
-                return [Hit(*hit) for hit in found]
-            if path == SELECTIVE_SCOPE:
-                candidates = _SCOPE_FIRST.format(joins=scope.joins, scope=scope.sql)
+            answer = await self._from_postings(terms, limit, scope, query, stats)
+            self.keyword_paths[answer.path] += 1
+            if answer.hits is not None:
+                return [Hit(*hit) for hit in answer.hits]
+            if answer.path == SELECTIVE_SCOPE:
+                candidates = _SCOPE_FIRST.format(joins=scope.joins, scope=scope.sql, bound=answer.corpus_postings)
         terms_sql = BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
             _BM25.format(
@@ -465,9 +473,9 @@ class SearchStore:
 
     async def _from_postings(
         self, terms: Sequence[str], limit: int, scope: Scope, query: str | None, stats: _CorpusStats
-    ) -> tuple[str, list[tuple[str, float]] | None]:
-        """The BM25 top-k read from the impact-ordered postings (``ImpactOrderedPostings``): the
-        path it took, and ``None`` when this query and scope need the exact scan."""
+    ) -> PostingsAnswer:
+        """The BM25 top-k read from the impact-ordered postings (``ImpactOrderedPostings``), or the
+        path of the exact scan this query and scope need."""
         k1, b, bigram_weight = self._bm25
         statistics = Bm25Statistics(k1, b, bigram_weight, stats.chunks, stats.average_words, stats.average_bigrams)
         return await self._postings.top(self._db, terms, query, limit, scope, statistics)
