@@ -94,6 +94,11 @@ class Legs:
             vector[model] = rows
         return cls(chunk_ids, keyword, cosines, vector)
 
+    @property
+    def bge(self) -> str:
+        """The BGE model measured: the language's, or the one ``--models`` named."""
+        return next(model for model in self.cosines if model != "use")
+
     def vector_leg(self, model: str, query: int) -> list[tuple[str, float]]:
         return self.vector[model][query]
 
@@ -249,13 +254,12 @@ def shipped_default(
     language, RRF over the keyword leg and both blocks' legs, the USE leg's hits in the other language than
     the query's at their own weight."""
     shipped = MEASURED_FUSION[BILINGUAL_MODEL_KEY]
-    bge = next(model for model in legs.cosines if model != "use")  # the language's BGE, or the one --models named
 
     def rank(query: int) -> list[str]:
         fusion = shipped.for_query(queries[query].text)
         assert isinstance(fusion, RrfFusion)
         asked_in_chinese = is_chinese(queries[query].text)
-        rankings = {"bge": legs.vector_leg(bge, query), "use": legs.vector_leg("use", query)}
+        rankings = {"bge": legs.vector_leg(legs.bge, query), "use": legs.vector_leg("use", query)}
         across = [
             {chunk: fusion.cross_language_weights[name] for chunk, _ in hits if chinese[chunk] != asked_in_chinese}
             if name in fusion.cross_language_weights
@@ -348,7 +352,7 @@ def score_language(
         f"vector leg, {leg}" if leg else "keyword leg": paired_difference(
             shipped["held_out"]["run"], baselines[leg]["run"], held
         )
-        for leg in (None, next(model for model in legs.cosines if model != "use"), "use")
+        for leg in (None, legs.bge, "use")
         if leg in baselines
     }
     report["rows"].append(shipped)
