@@ -1,6 +1,7 @@
 """Search latency at 10k, 100k (and with ``--million`` 1M) chunks of real documentation text.
 
-    .venv/bin/python -m bench.scale [--sizes 10000,100000] [--million] [--queries 200] [--http-seconds 60]
+    .venv/bin/python -m bench.scale [--sizes 10000,100000] [--million] [--queries 200] [--http-seconds 60] \
+        [--build-memory 2GB]
 
 1. **Corpus.** ``apt-get download`` of Debian documentation packages (``rust-doc``, ``python3.11-doc``,
    ``linux-doc-6.1``, ``openjdk-17-doc``; any missing from the archive is skipped) into
@@ -164,13 +165,13 @@ _INSERT_CHUNKS = """
 
 
 async def grow(
-    pool: asyncpg.Pool, table: str, dimension: int, source: Iterator[Document], target: int
+    pool: asyncpg.Pool, table: str, dimension: int, source: Iterator[Document], target: int, build_memory: str
 ) -> dict[str, float]:
     """Add documents until the corpus holds ``target`` chunks, the HNSW index dropped meanwhile and
-    built again after; the seconds each part took."""
+    built again after (with ``build_memory`` of maintenance_work_mem); the seconds each part took."""
     have = int(await pool.fetchval("SELECT count(*) FROM chunks"))
     if have >= target:
-        return {"chunks_s": 0.0, "hnsw_s": await build_hnsw(pool, table)}
+        return {"chunks_s": 0.0, "hnsw_s": await build_hnsw(pool, table, build_memory)}
     rng = np.random.default_rng(have)
     await pool.execute(f"DROP INDEX IF EXISTS {table}_hnsw")
     started = time.perf_counter()
@@ -207,16 +208,19 @@ async def grow(
                 columns=["chunk_id", "embedding"],
             )
         print(f"  {have}/{target} chunks, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return {"chunks_s": time.perf_counter() - started, "hnsw_s": await build_hnsw(pool, table)}
+    return {"chunks_s": time.perf_counter() - started, "hnsw_s": await build_hnsw(pool, table, build_memory)}
 
 
-async def build_hnsw(pool: asyncpg.Pool, table: str) -> float:
-    """The space's HNSW index as ``spaces.py`` makes it, unless it exists; the seconds it took. With
-    the 64 MB default of maintenance_work_mem the graph of 100k 512-d vectors does not fit, and the
-    build goes on disk at a fraction of the speed."""
+async def build_hnsw(pool: asyncpg.Pool, table: str, memory: str) -> float:
+    """The space's HNSW index as ``spaces.py`` makes it, unless it exists; the seconds it took. A graph
+    that outgrows maintenance_work_mem (``memory``) is built on at a fraction of the speed: with the
+    64 MB default at 100k 512-d vectors, with 2 GB past about 830k (2026-12-06: from 12 to 1.5 heap
+    blocks a second)."""
+    if not re.fullmatch(r"[0-9]+[MG]B", memory):
+        raise ValueError(f"--build-memory {memory!r}: a size such as 2GB or 512MB")
     started = time.perf_counter()
     async with pool.acquire() as connection:
-        await connection.execute("SET maintenance_work_mem = '2GB'")
+        await connection.execute(f"SET maintenance_work_mem = '{memory}'")
         await connection.execute(
             f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} USING hnsw (embedding vector_cosine_ops)"
         )
@@ -373,7 +377,7 @@ async def run(dsn: str, args: argparse.Namespace, root: Path) -> list[dict[str, 
             next(source)  # a data folder kept from an earlier run: go on after its documents
         for size in args.sizes:
             load = os.getloadavg()
-            build = await grow(runtime.pool, table, dimension, source, size)
+            build = await grow(runtime.pool, table, dimension, source, size, args.build_memory)
             started = time.perf_counter()
             await runtime.pool.execute("VACUUM ANALYZE")
             refreshed = await refresh_impacts(runtime.pool)
@@ -437,6 +441,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=REPO / ".cache" / "bench" / "scale")
     parser.add_argument("--data-dir", type=Path, help="the database folder (default: a fresh one under /tmp)")
     parser.add_argument("--out", type=Path, help="JSON results")
+    parser.add_argument(
+        "--build-memory", default="2GB", help="maintenance_work_mem of the HNSW build (about 3GB per million 512-d)"
+    )
     args = parser.parse_args()
     args.sizes = sorted({int(size) for size in args.sizes.split(",")} | ({1_000_000} if args.million else set()))
     root = unpack(args.cache)
