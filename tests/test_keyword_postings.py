@@ -26,7 +26,7 @@ from ragstream.storage.postings import SELECTIVE_SCOPE, ImpactOrderedPostings, r
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
 from tests.support.connections import private_database
-from tests.support.plans import Explaining, rows_read, subplan
+from tests.support.plans import Explaining, nodes, rows_read, subplan
 
 # The keyword leg's default BM25 parameters, which the postings' reference holds (migration 0023).
 BM25 = {"bm25_k1": Settings.model_fields["bm25_k1"].default, "bm25_b": Settings.model_fields["bm25_b"].default}
@@ -346,3 +346,28 @@ async def test_a_selective_scope_is_scored_from_its_own_chunks(runtime: Runtime,
         assert [hit.chunk_id for hit in got] == [hit.chunk_id for hit in want] and len(got) == 1
         # 51 postings of quuxword in the corpus: the scope's ids are read up to 52, not all of them.
         assert rows_read(subplan(explaining.plan, "CTE in_scope"), "chunks") <= 53 < in_large
+
+
+async def test_candidates_are_scored_beside_their_own_documents(runtime: Runtime, database_url: str) -> None:
+    """The exact scoring of the chunks read from the postings looks up each one's document by its
+    id: it never hashes every document, which at 195k documents scans them all for each statement."""
+    async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
+        corpus = Corpus(random.Random(31), _vocabulary(random.Random(31), 120))
+        names = await _build(own, corpus)
+        await own.pool.execute("ANALYZE")
+        forced = ImpactOrderedPostings(exact_below=0, min_share=0.0, max_read_share=1.0)
+        store = SearchStore(own.pool, postings=forced, **BM25)
+        open_connections = SearchFilters(connection_ids=[names["open"], names["kb"], names["skip"]])
+        scope = Scope.build(open_connections, None, first_param=3)
+        scorings = 0
+        for text in [corpus.query() for _ in range(10)]:
+            async with own.pool.acquire() as raw:
+                explaining = Explaining(raw)
+                store._db = explaining
+                await store.keyword_leg(query_terms(text), 10, scope, query=text)
+            for plan in explaining.plans:
+                if rows_read(plan, "documents"):
+                    scorings += 1
+                    hashes = [node for node in nodes(plan) if node["Node Type"] == "Hash"]
+                    assert not [node for node in hashes if rows_read(node, "documents")]
+        assert scorings >= 5, dict(store.keyword_paths)

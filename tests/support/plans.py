@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
 
-__all__ = ["Explaining", "rows_read", "subplan"]
+__all__ = ["Explaining", "nodes", "rows_read", "subplan"]
 
 
 class Explaining:
-    """Passes statements through to a connection, and keeps the plan (EXPLAIN ANALYZE) of the last
-    statement it fetched."""
+    """Passes statements through to a connection, and keeps the plans (EXPLAIN ANALYZE) of the
+    statements it fetched, in order."""
 
     def __init__(self, connection: asyncpg.Connection) -> None:
         self._connection = connection
-        self.plan: dict[str, Any] = {}
+        self.plans: list[dict[str, Any]] = []
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The plan of the last statement fetched."""
+        return self.plans[-1]
 
     async def execute(self, sql: str, *args: Any) -> str:
         return str(await self._connection.execute(sql, *args))
@@ -32,7 +38,14 @@ class Explaining:
 
     async def _explain(self, sql: str, *args: Any) -> None:
         explained = await self._connection.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", *args)
-        self.plan = json.loads(explained)[0]["Plan"]
+        self.plans.append(json.loads(explained)[0]["Plan"])
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The plan's nodes, the plan first."""
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
 
 
 def rows_read(plan: dict[str, Any], relation: str) -> int:

@@ -331,7 +331,7 @@ class _Scorer:
         }
         first = 3 + len(scope.params)
         numbers = {name: first + offset for offset, name in enumerate(self._values)}
-        self._sql = _SCORE_CHUNKS.format(joins=scope.joins, scope=scope.sql, score=BM25_SCORE, **numbers)
+        self._sql = _SCORE_CHUNKS.format(joins=scope.joins_by_chunk, scope=scope.sql, score=BM25_SCORE, **numbers)
 
     async def best(self, keys: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
         """The top ``limit`` among the chunks scored so far, after scoring every one of ``keys``
