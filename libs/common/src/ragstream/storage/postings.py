@@ -5,10 +5,11 @@ part (``impact``, under reference lengths), and the exact document frequency per
 index version. A search reads the best postings of each query term (``first_depth`` of each list at
 first), bounds the score of every chunk read (MaxScore-style: its impacts read, and for each list
 not read to the end the last impact read, each times weight × idf × drift) and scores exactly, with
-the same SQL expression as the exact path and the in-scope df, only the chunks whose bound reaches
-the ``limit``-th exact score. It stops once that score beats the bound of every unread chunk; else it
-reads deeper (4×) in the lists that keep that bound high, and past ``max_depth`` hands back to the
-exact path. ``drift`` is max(1, current average length / reference average length): the
+the same SQL expression as the exact path and the in-scope df, first the chunks whose impacts read
+weigh most (their ``limit``-th exact score is the threshold), then only the chunks whose bound
+reaches the threshold. It stops once the threshold beats the bound of every unread chunk and those
+chunks are few enough; else it reads deeper (4×) in the lists that keep the bounds high, and past
+``max_depth`` hands back to the exact path. ``drift`` is max(1, current average length / reference average length): the
 term-frequency part grows with the average length and by at most that ratio, so impacts stored under
 older statistics stay valid bounds. The result is the exact BM25 top-k, with the same scores.
 """
@@ -94,27 +95,33 @@ _FREQUENCIES = f"""
 """
 
 # One round of reading: the best postings of each term (an index range scan each, as deep as that
-# term's depth), for each chunk read an upper bound of its score (its impacts read, times the terms'
-# bounds, plus for each other list not read to the end the bound times the last impact read), and per
-# list how far it went. $1: term keys, $2: depths, $3: bounds (weight × idf × drift × slack).
+# term's depth) and per chunk read an upper bound of its score: its impacts read times the terms'
+# bounds, plus for each other list not read to the end (``rest``: the bound times the impact at the
+# list's depth, found by its own short index scan; NULL once the list ends within its depth) the bound
+# times that last impact. Returned: each list's rest; the bound of an unread chunk; the $6 chunks
+# whose impacts read weigh most (likely the best: scored first, they set the threshold); how many
+# chunks have an upper bound of at least $4 (the threshold so far), and the first $5 of them by that
+# bound. Only those leave the server: a deep round reads hundreds of thousands of postings, in one
+# pass into one hash aggregate. $1: term keys, $2: depths, $3: bounds (weight × idf × drift × slack).
 _READ = """
-    WITH t AS (SELECT * FROM unnest($1::bigint[], $2::int[], $3::float8[])
-               WITH ORDINALITY AS t(term, depth, bound, ordinal)),
-    read AS MATERIALIZED (
-        SELECT t.ordinal, t.bound, p.chunk_key, p.impact
+    WITH t AS MATERIALIZED (
+        SELECT t.*, t.bound * (SELECT impact FROM keyword_postings p WHERE p.term = t.term
+                               ORDER BY impact DESC OFFSET t.depth - 1 LIMIT 1) AS rest
+        FROM unnest($1::bigint[], $2::int[], $3::float8[]) WITH ORDINALITY AS t(term, depth, bound, ordinal)),
+    unread AS (SELECT coalesce(sum(rest), 0)::float8 AS bound FROM t),
+    candidates AS MATERIALIZED (
+        SELECT p.chunk_key, sum(t.bound * p.impact) AS seen,
+               sum(t.bound * p.impact - coalesce(t.rest, 0)) + (SELECT bound FROM unread) AS upper
         FROM t, LATERAL (
             SELECT chunk_key, impact FROM keyword_postings WHERE term = t.term ORDER BY impact DESC LIMIT t.depth
-        ) AS p),
-    lists AS (SELECT ordinal, count(*) AS n, min(impact) AS last FROM read GROUP BY ordinal),
-    open AS (SELECT l.ordinal, t.bound * l.last AS rest FROM lists l JOIN t USING (ordinal) WHERE l.n = t.depth),
-    unread AS (SELECT coalesce(sum(rest), 0)::float8 AS bound FROM open),
-    candidates AS (
-        SELECT r.chunk_key, sum(r.bound * r.impact) - coalesce(sum(o.rest), 0) + (SELECT bound FROM unread) AS bound
-        FROM read r LEFT JOIN open o USING (ordinal) GROUP BY r.chunk_key)
+        ) AS p
+        GROUP BY p.chunk_key)
     SELECT (SELECT bound FROM unread) AS unread,
-           ARRAY(SELECT ROW(ordinal, n, last) FROM lists) AS lists,
-           ARRAY(SELECT chunk_key FROM candidates ORDER BY bound DESC, chunk_key) AS keys,
-           ARRAY(SELECT bound FROM candidates ORDER BY bound DESC, chunk_key) AS bounds
+           ARRAY(SELECT rest FROM t ORDER BY ordinal) AS rests,
+           ARRAY(SELECT chunk_key FROM candidates ORDER BY seen DESC, chunk_key LIMIT $6) AS likely,
+           (SELECT count(*) FROM candidates WHERE upper >= $4) AS contenders,
+           ARRAY(SELECT chunk_key FROM candidates WHERE upper >= $4 ORDER BY upper DESC, chunk_key LIMIT $5) AS keys,
+           ARRAY(SELECT upper FROM candidates WHERE upper >= $4 ORDER BY upper DESC, chunk_key LIMIT $5) AS bounds
 """
 
 # The exact BM25 of the given chunks that are in scope, with the in-scope df of each query term.
@@ -193,16 +200,21 @@ class _Term:
 class ImpactOrderedPostings:
     """The read side of migration 0017's postings (see the module docstring).
 
-    ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap.
-    The defaults of ``exact_below`` and ``max_read_share`` are measured on the PostgreSQL 15 docs
-    (6,946 chunks, 200 page titles; docs/benchmarks.md, "Hybrid search latency beside LlamaIndex"):
-    since the exact scan costs in proportion to the matches, not the scope, it only wins below a few
-    hundred postings, and giving up at 10 % of the postings read paid for both paths.
+    ``exact_below``: with fewer in-scope postings of the query's terms, scoring them all is as cheap
+    (measured on the PostgreSQL 15 docs, 6,946 chunks, 200 page titles; docs/benchmarks.md, "Hybrid
+    search latency beside LlamaIndex": the exact scan costs in proportion to the matches, not the
+    scope, and only wins below a few hundred postings).
     ``min_share``: a scope holding a smaller share of the terms' postings would make the lists read
     mostly chunks it excludes, so the exact path scores its own chunks instead. ``first_depth``: the
     postings read per term in the first round (4× per deeper round, up to ``max_depth``).
     ``max_read_share``: once the lists would read more than this share of the in-scope postings, the
-    exact path takes over."""
+    exact path takes over; by default never, as reading every posting costs less than scoring every
+    match (at a million chunks, 0.7–1.2 µs a posting against 9–35 µs a chunk, 10 s for the deepest
+    title queries). ``max_scored`` and ``scoring_cost``: a round hands to exact scoring at most
+    ``max_scored`` chunks, or more while they cost less than a next round would read (one chunk
+    scored costs about as much as ``scoring_cost`` postings read: 2026-12-06, 1M chunks, 9–35 µs
+    against 0.7–1.2); with more chunks whose bound reaches the threshold, reading deeper tightens their bounds
+    first."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
@@ -213,14 +225,18 @@ class ImpactOrderedPostings:
         exact_below: int = 500,
         min_share: float = 0.2,
         first_depth: int = 64,
-        max_depth: int = 16384,
-        max_read_share: float = 0.5,
+        max_depth: int = 1 << 20,
+        max_read_share: float = 1.0,
+        max_scored: int = 1024,
+        scoring_cost: float = 16.0,
     ) -> None:
         self.exact_below = exact_below
         self.min_share = min_share
         self.first_depth = first_depth
         self.max_depth = max_depth
         self.max_read_share = max_read_share
+        self.max_scored = max_scored
+        self.scoring_cost = scoring_cost
 
     async def top(
         self,
@@ -272,29 +288,51 @@ class ImpactOrderedPostings:
         ]
         depths = [self.first_depth] * len(terms)
         scorer = _Scorer(db, terms, reference["lexemes"], reference["bigrams"], limit, scope, statistics)
+        more = 0  # contenders to return beyond the round's share, once nothing is left to read
         while True:
-            row = await db.fetchrow(_READ, [t.key for t in terms], depths, [t.bound for t in terms])
+            # As many as scoring costs less than the next round would read (at least 2× this one).
+            returned = max(self.max_scored, int(2 * _postings_read(depths, terms) / self.scoring_cost), more)
+            known = scorer.threshold
+            row = await db.fetchrow(
+                _READ,
+                [t.key for t in terms],
+                depths,
+                [t.bound for t in terms],
+                known if known is not None else -math.inf,
+                returned,
+                2 * limit,
+            )
             assert row is not None
-            hits = await scorer.best(row["keys"], row["bounds"])
-            threshold = hits[-1][1] if len(hits) == limit else None
-            if row["unread"] == 0 or (threshold is not None and threshold > row["unread"]):
-                return PostingsAnswer("postings", hits)
-            # Deepen the lists that keep the bound of unread chunks at or above the threshold, the
-            # largest first (all of them while fewer than ``limit`` chunks were found).
-            open_lists = [(ordinal - 1, last) for ordinal, read, last in row["lists"] if read == depths[ordinal - 1]]
-            rests = sorted(((terms[index].bound * last, index) for index, last in open_lists), reverse=True)
-            remaining = sum(rest for rest, _ in rests)
+            await scorer.score(row["likely"])
+            threshold = scorer.threshold
+            unread = row["unread"]
+            read_enough = unread == 0 or (threshold is not None and threshold > unread)
+            # Every chunk whose bound reaches the threshold is among the keys (the threshold only grew).
+            if read_enough and row["contenders"] <= returned:
+                return PostingsAnswer("postings", await scorer.best(row["keys"], row["bounds"]))
+            rests = sorted(((rest, index) for index, rest in enumerate(row["rests"]) if rest is not None), reverse=True)
+            if read_enough and not rests:  # every list read to its end: score every contender
+                more = row["contenders"]
+                continue
+            # Not read enough: deepen the lists that keep the bound of unread chunks at or above the
+            # threshold, the largest first (all of them while fewer than ``limit`` chunks were found).
+            # Too many contenders: deepen the lists that hold half the slack of their bounds.
+            # A round costs about the postings of its deepest list: a list deepened goes at least to a
+            # quarter of that depth, in one round rather than in several ×4 steps that each read it.
+            remaining, target = sum(rest for rest, _ in rests), threshold
+            if read_enough:
+                target = remaining / 2
+            deepest = max(depths)
             for rest, index in rests:
-                if threshold is not None and remaining < threshold:
+                if target is not None and remaining < target:
                     break
                 if depths[index] >= self.max_depth:
                     return PostingsAnswer("exact: too deep", None)
-                depths[index] *= 4
+                depths[index] = max(4 * depths[index], deepest // 4)
                 remaining -= rest
             # Flat impacts (many chunks alike, copies) need deep lists: past a share of the matches,
             # the scan that scores them all once is cheaper than more rounds.
-            reading = sum(min(depth, term.df) for depth, term in zip(depths, terms, strict=True))
-            if reading > self.max_read_share * in_scope:
+            if _postings_read(depths, terms) > self.max_read_share * in_scope:
                 return PostingsAnswer("exact: too deep", None)
 
 
@@ -333,25 +371,39 @@ class _Scorer:
         numbers = {name: first + offset for offset, name in enumerate(self._values)}
         self._sql = _SCORE_CHUNKS.format(joins=scope.joins_by_chunk, scope=scope.sql, score=BM25_SCORE, **numbers)
 
+    @property
+    def threshold(self) -> float | None:
+        """The ``limit``-th best exact score so far (``None`` while fewer chunks were found)."""
+        return self._hits[-1][1] if len(self._hits) == self._limit else None
+
+    async def score(self, keys: Sequence[int]) -> None:
+        """Score those of ``keys`` not scored yet (the ones out of scope score nothing)."""
+        todo = [key for key in keys if key not in self._scored]
+        if not todo:
+            return
+        self._scored.update(todo)
+        rows = await self._db.fetch(self._sql, todo, self._limit, *self._scope.params, *self._values.values())
+        merged = self._hits + [(row["id"], row["score"]) for row in rows]
+        self._hits = sorted(merged, key=lambda hit: (-hit[1], hit[0]))[: self._limit]
+
     async def best(self, keys: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
         """The top ``limit`` among the chunks scored so far, after scoring every one of ``keys``
         (ordered by their upper ``bounds``, highest first) that could still reach it."""
         batch = max(2 * self._limit, 64)
         start = 0
         while start < len(keys):
-            threshold = self._hits[-1][1] if len(self._hits) == self._limit else None
+            threshold = self.threshold
             if threshold is not None and bounds[start] < threshold:
                 break
-            todo = [key for key in keys[start : start + batch] if key not in self._scored]
+            await self.score(keys[start : start + batch])
             start += batch
-            if not todo:
-                continue
-            self._scored.update(todo)
-            rows = await self._db.fetch(self._sql, todo, self._limit, *self._scope.params, *self._values.values())
-            merged = self._hits + [(row["id"], row["score"]) for row in rows]
-            self._hits = sorted(merged, key=lambda hit: (-hit[1], hit[0]))[: self._limit]
             batch *= 4
         return self._hits
+
+
+def _postings_read(depths: Sequence[int], terms: Sequence[_Term]) -> float:
+    """How many in-scope postings lists read as deep as ``depths`` hold at most."""
+    return sum(min(depth, term.df) for depth, term in zip(depths, terms, strict=True))
 
 
 def _idf(chunks: float, df: float) -> float:

@@ -32,6 +32,10 @@ __all__ = ["ChunkRecord", "Hit", "KeywordRanking", "SearchStore", "SearchedSpace
 
 KeywordRanking = Literal["bm25", "ts_rank"]
 
+# A search's work_mem (its snapshot's SET LOCAL): what one sort or hash of a statement may hold before
+# it spills to disk; a keyword leg's deep round of postings needs about 25 MB at a million chunks.
+_SEARCH_WORK_MEM = "32MB"
+
 # Each term is normalised by the same 'english' configuration the index used, then the terms are
 # OR-ed: a question rarely contains every word of the paragraph that answers it.
 _TSQUERY = """
@@ -268,7 +272,11 @@ class SearchStore:
                     )
                 # chunks first, as the re-index switch does before it drops a table that references it:
                 # a search holding an embedding table while waiting for chunks would deadlock with it.
-                await connection.execute("LOCK TABLE chunks IN ACCESS SHARE MODE")
+                # The keyword leg's deep rounds hold a few hundred thousand postings, which the
+                # server's default work_mem (4 MB) would write to disk.
+                await connection.execute(
+                    f"SET LOCAL work_mem = '{_SEARCH_WORK_MEM}'; LOCK TABLE chunks IN ACCESS SHARE MODE"
+                )
                 bound = copy.copy(self)
                 bound._db = connection
                 yield bound
