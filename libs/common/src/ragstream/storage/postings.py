@@ -9,9 +9,10 @@ the same SQL expression as the exact path and the in-scope df, first the chunks 
 weigh most (their ``limit``-th exact score is the threshold), then only the chunks whose bound
 reaches the threshold. It stops once the threshold beats the bound of every unread chunk and those
 chunks are few enough; else it reads deeper (4×) in the lists that keep the bounds high, and past
-``max_depth`` hands back to the exact path. ``drift`` is max(1, current average length / reference average length): the
-term-frequency part grows with the average length and by at most that ratio, so impacts stored under
-older statistics stay valid bounds. The result is the exact BM25 top-k, with the same scores.
+``max_depth`` hands back to the exact path. ``drift`` is max(1, current average length / reference
+average length): the term-frequency part grows with the average length and by at most that ratio,
+so impacts stored under older statistics stay valid bounds. The result is the exact BM25 top-k, with
+the same scores.
 """
 
 from __future__ import annotations
@@ -213,8 +214,8 @@ class ImpactOrderedPostings:
     title queries). ``max_scored`` and ``scoring_cost``: a round hands to exact scoring at most
     ``max_scored`` chunks, or more while they cost less than a next round would read (one chunk
     scored costs about as much as ``scoring_cost`` postings read: 2026-12-06, 1M chunks, 9–35 µs
-    against 0.7–1.2); with more chunks whose bound reaches the threshold, reading deeper tightens their bounds
-    first."""
+    against 0.7–1.2); with more chunks whose bound reaches the threshold, reading deeper tightens
+    their bounds first."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
