@@ -22,11 +22,11 @@ from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
 from ragstream.storage.database import apply_migrations
 from ragstream.storage.documents import document_id
-from ragstream.storage.postings import SELECTIVE_SCOPE, ImpactOrderedPostings, refresh_impacts
+from ragstream.storage.postings import DOCUMENT_FILTERS, SELECTIVE_SCOPE, ImpactOrderedPostings, refresh_impacts
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
 from tests.support.connections import private_database
-from tests.support.plans import Explaining, nodes, rows_read, subplan
+from tests.support.plans import Explaining, nodes, rows_examined, rows_read, subplan
 
 # The keyword leg's default BM25 parameters, which the postings' reference holds (migration 0023).
 BM25 = {"bm25_k1": Settings.model_fields["bm25_k1"].default, "bm25_b": Settings.model_fields["bm25_b"].default}
@@ -371,3 +371,48 @@ async def test_candidates_are_scored_beside_their_own_documents(runtime: Runtime
                     hashes = [node for node in nodes(plan) if node["Node Type"] == "Hash"]
                     assert not [node for node in hashes if rows_read(node, "documents")]
         assert scorings >= 5, dict(store.keyword_paths)
+
+
+async def test_a_narrow_document_filter_is_scored_from_its_own_chunks(runtime: Runtime, database_url: str) -> None:
+    """A knowledge-base or source filter, whose in-scope df is not kept, takes the exact scan with the
+    scope's own chunks first while they are fewer than the terms' postings in the corpus (migration
+    0024 indexes the filtered columns): the ranking of scoring every match, without reading the
+    matches of the rest of the corpus."""
+    async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
+        corpus = Corpus(random.Random(29), _vocabulary(random.Random(29), 120))
+        names = await _build(own, corpus)
+        for n in range(2):
+            texts = [corpus.text(60) for _ in range(4)]
+            await _commit(own, names["open"], f"narrow-{n}", texts, knowledge_base="narrow")
+        await own.pool.execute("ANALYZE")
+        exact = SearchStore(own.pool, impact_ordered=False, **BM25)
+        store = SearchStore(own.pool, **BM25)
+        corpus_chunks = await own.pool.fetchval("SELECT count(*) FROM chunks")
+        scope_first = 0
+        for filters, in_scope in (
+            (SearchFilters(knowledge_bases=["narrow"]), 8),
+            (SearchFilters(sources=["narrow-1"]), 4),
+        ):
+            scope = Scope.build(filters, None, first_param=3)
+            for text in [corpus.query() for _ in range(12)]:
+                terms = query_terms(text)
+                async with own.pool.acquire() as raw, raw.transaction():
+                    # As on a large table: a tiny one is read whole, index or not.
+                    await raw.execute("SET LOCAL enable_seqscan = off")
+                    explaining = Explaining(raw)
+                    store._db = explaining
+                    got = await store.keyword_leg(terms, 10, scope, query=text)
+                want = await exact.keyword_leg(terms, 10, scope, query=text)
+                # The same ranking; chunks of equal scores may swap (their float sums differ in the last bits).
+                assert [pytest.approx(hit.score, rel=1e-9) for hit in got] == [hit.score for hit in want]
+                assert {hit.chunk_id for hit in got} == {hit.chunk_id for hit in want} or got[
+                    -1
+                ].score == pytest.approx(got[-2].score, rel=1e-9)
+                if len(explaining.plans) > 1:  # the terms are in the corpus: the scan ran
+                    # The scope's documents and chunks are found by indexes, not by reading the others.
+                    finding = subplan(explaining.plan, "CTE in_scope")
+                    assert rows_examined(finding, "documents") <= 2 and rows_examined(finding, "chunks") <= in_scope
+                    # Fewer than the terms' postings in the corpus: only they are scored.
+                    scope_first += rows_read(explaining.plan, "chunks") <= 2 * in_scope < corpus_chunks / 10
+        assert store.keyword_paths[DOCUMENT_FILTERS] == 24
+        assert scope_first >= 18, scope_first

@@ -9,7 +9,7 @@ from typing import Any
 
 import asyncpg
 
-__all__ = ["Explaining", "nodes", "rows_read", "subplan"]
+__all__ = ["Explaining", "nodes", "rows_examined", "rows_read", "subplan"]
 
 
 class Explaining:
@@ -32,6 +32,10 @@ class Explaining:
         await self._explain(sql, *args)
         return await self._connection.fetchrow(sql, *args)
 
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        await self._explain(sql, *args)
+        return await self._connection.fetchval(sql, *args)
+
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         await self._explain(sql, *args)
         return list(await self._connection.fetch(sql, *args))
@@ -52,6 +56,17 @@ def rows_read(plan: dict[str, Any], relation: str) -> int:
     """Rows the plan's scans of ``relation`` produced, over all their loops."""
     own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == relation else 0
     return int(own) + sum(rows_read(child, relation) for child in plan.get("Plans", []))
+
+
+def rows_examined(plan: dict[str, Any], relation: str) -> int:
+    """Rows the plan's scans of ``relation`` read, those their filters removed included, over all
+    their loops."""
+    examined = 0
+    for node in nodes(plan):
+        if node.get("Relation Name") == relation:
+            removed = node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
+            examined += int((node["Actual Rows"] + removed) * node["Actual Loops"])
+    return examined
 
 
 def subplan(plan: dict[str, Any], name: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BM25_SCORE",
     "BM25_TERMS",
+    "DOCUMENT_FILTERS",
     "SELECTIVE_SCOPE",
     "Bm25Statistics",
     "ImpactOrderedPostings",
@@ -93,6 +94,16 @@ _FREQUENCIES = f"""
     SELECT t.lexemes, t.bigrams, r.k1, r.b, r.average_words, r.average_bigrams,
            ARRAY(SELECT ROW(field, lexeme, term, df, restricted, everywhere) FROM frequencies) AS terms
     FROM t LEFT JOIN keyword_reference r ON true
+"""
+
+# How many postings the query's terms have in the whole corpus (every connection and index
+# version): a bound of the chunks matching them. $1/$2: the query's words and raw text.
+_CORPUS_POSTINGS = f"""
+    WITH t AS MATERIALIZED ({BM25_TERMS.format(text=2)})
+    SELECT coalesce(sum(f.chunks), 0)::bigint
+    FROM t, LATERAL (SELECT 0::smallint AS field, lexeme FROM unnest(t.lexemes) AS lexeme
+                     UNION ALL SELECT 1::smallint, lexeme FROM unnest(t.bigrams) AS lexeme) AS q
+    JOIN keyword_df f ON f.field = q.field AND f.lexeme = q.lexeme
 """
 
 # One round of reading: the best postings of each term (an index range scan each, as deep as that
@@ -178,11 +189,16 @@ SELECTIVE_SCOPE = "exact: selective scope"
 """The path of a scope holding under ``min_share`` of the terms' postings: its exact scan reads the
 scope's chunks first (``SearchStore``) when they are fewer than the corpus's matches."""
 
+DOCUMENT_FILTERS = "exact: document filters"
+"""The path of a scope with document filters (knowledge bases, sources, metadata), whose in-scope df
+is not kept: its exact scan reads the scope's chunks first, as a selective scope's, when they are
+fewer than the corpus's matches."""
+
 
 class PostingsAnswer(NamedTuple):
     """What ``ImpactOrderedPostings.top`` found: the path taken, the exact top-k (``None``: the caller
-    must score exactly), and for a selective scope the terms' postings in the whole corpus, a bound
-    of the chunks the exact scan would read matches first (0 otherwise)."""
+    must score exactly), and for a selective scope or document filters the terms' postings in the
+    whole corpus, a bound of the chunks the exact scan would read matches first (0 otherwise)."""
 
     path: str
     hits: list[tuple[str, float]] | None
@@ -251,7 +267,10 @@ class ImpactOrderedPostings:
         """The path taken and the exact BM25 top ``limit`` of the query's ``words`` and, with
         ``query``, its CJK bigrams (``BM25_TERMS``), when the postings give it."""
         if scope.document_filters:
-            return PostingsAnswer("exact: document filters", None)
+            # Their in-scope df is not kept: the exact scan, the scope's own chunks first while they
+            # are fewer than the terms' postings in the corpus (a narrow knowledge base or source).
+            postings = await db.fetchval(_CORPUS_POSTINGS, list(words), query)
+            return PostingsAnswer(DOCUMENT_FILTERS, None if postings else [], int(postings))
         reference = await db.fetchrow(_FREQUENCIES.format(scope=scope.sql), list(words), query, *scope.params)
         assert reference is not None
         if reference["k1"] is None or (reference["k1"], reference["b"]) != (statistics.k1, statistics.b):

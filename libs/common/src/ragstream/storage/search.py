@@ -20,7 +20,6 @@ from ragstream.storage.database import DatabaseBusy
 from ragstream.storage.postings import (
     BM25_SCORE,
     BM25_TERMS,
-    SELECTIVE_SCOPE,
     Bm25Statistics,
     ImpactOrderedPostings,
     PostingsAnswer,
@@ -54,8 +53,9 @@ _TSQUERY = """
 #   against the scope: O(matches); written as one join, the scope was planned first, reading every
 #   chunk in scope and testing each with @@ (docs/benchmarks.md, "Hybrid search latency beside
 #   LlamaIndex"). ``_SCOPE_FIRST``, for a scope holding a small share of the terms' postings
-#   (``ImpactOrderedPostings.top``'s "exact: selective scope"), where the other plan would read every
-#   match in the corpus: the scope's chunk ids first, at most one more than the terms' postings in the
+#   (``ImpactOrderedPostings.top``'s "exact: selective scope") and for document filters (a knowledge
+#   base, a source: migration 0024 indexes them), where the other plan would read every match in the
+#   corpus: the scope's chunk ids first, at most one more than the terms' postings in the
 #   corpus (``{bound}``, which bounds the matches); when they are fewer, each is tested with @@:
 #   O(scope); else (a large scope whose terms sit elsewhere) the matches first after all, having read
 #   no more ids than matches. The unchosen branch's one-time filter is false, so it never runs;
@@ -465,7 +465,7 @@ class SearchStore:
             self.keyword_paths[answer.path] += 1
             if answer.hits is not None:
                 return [Hit(*hit) for hit in answer.hits]
-            if answer.path == SELECTIVE_SCOPE:
+            if answer.corpus_postings:  # a selective scope, document filters
                 candidates = _SCOPE_FIRST.format(joins=scope.joins, scope=scope.sql, bound=answer.corpus_postings)
         terms_sql = BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
