@@ -149,7 +149,9 @@ async def _compare(
     total = 0
     for label, (filters, principal) in scopes.items():
         # Every scope size and every round count gets exercised: no small-scope shortcut, shallow first reads.
-        forced = ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4, max_read_share=1.0, max_scored=16)
+        forced = ImpactOrderedPostings(
+            exact_below=0, min_share=0.0, first_depth=4, max_read_share=1.0, max_scored=16, plan_from=16
+        )
         fast = SearchStore(pool, postings=forced, **BM25)
         scope = Scope.build(filters, principal, first_param=3)
         for text in queries:

@@ -136,6 +136,14 @@ _READ = """
            ARRAY(SELECT upper FROM candidates WHERE upper >= $4 ORDER BY upper DESC, chunk_key LIMIT $5) AS bounds
 """
 
+# The impact at each given depth of a term's list (NULL past its end): by short index scans that
+# return one row each, a fraction of a round's cost, to plan the next round's depths.
+_IMPACTS_AT = """
+    SELECT (SELECT impact FROM keyword_postings p WHERE p.term = t.term ORDER BY impact DESC OFFSET t.depth - 1 LIMIT 1)
+    FROM unnest($1::bigint[], $2::int[]) WITH ORDINALITY AS t(term, depth, ordinal)
+    ORDER BY t.ordinal
+"""
+
 # The exact BM25 of the given chunks that are in scope, with the in-scope df of each query term.
 # $1: chunk keys, $2: limit, the scope's parameters from $3.
 _SCORE_CHUNKS = """
@@ -231,7 +239,9 @@ class ImpactOrderedPostings:
     ``max_scored`` chunks, or more while they cost less than a next round would read (one chunk
     scored costs about as much as ``scoring_cost`` postings read: 2026-12-06, 1M chunks, 9–35 µs
     against 0.7–1.2); with more chunks whose bound reaches the threshold, reading deeper tightens
-    their bounds first."""
+    their bounds first. ``plan_from``: once a list is read this deep (a round then costs several
+    milliseconds), the next round's depths are planned from the impacts at deeper points of the
+    lists rather than stepped 4× (``_planned_depths``)."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
@@ -246,6 +256,7 @@ class ImpactOrderedPostings:
         max_read_share: float = 1.0,
         max_scored: int = 1024,
         scoring_cost: float = 16.0,
+        plan_from: int = 4096,
     ) -> None:
         self.exact_below = exact_below
         self.min_share = min_share
@@ -254,6 +265,7 @@ class ImpactOrderedPostings:
         self.max_read_share = max_read_share
         self.max_scored = max_scored
         self.scoring_cost = scoring_cost
+        self.plan_from = plan_from
 
     async def top(
         self,
@@ -334,6 +346,13 @@ class ImpactOrderedPostings:
             if read_enough and not rests:  # every list read to its end: score every contender
                 more = row["contenders"]
                 continue
+            if not read_enough and threshold is not None and max(depths) >= self.plan_from:
+                planned = await self._planned_depths(db, terms, depths, rests, threshold)
+                if planned is not None:
+                    depths = planned
+                    if _postings_read(depths, terms) > self.max_read_share * in_scope:
+                        return PostingsAnswer("exact: too deep", None)
+                    continue
             # Not read enough: deepen the lists that keep the bound of unread chunks at or above the
             # threshold, the largest first (all of them while fewer than ``limit`` chunks were found).
             # Too many contenders: deepen the lists that hold half the slack of their bounds.
@@ -354,6 +373,44 @@ class ImpactOrderedPostings:
             # the scan that scores them all once is cheaper than more rounds.
             if _postings_read(depths, terms) > self.max_read_share * in_scope:
                 return PostingsAnswer("exact: too deep", None)
+
+    async def _planned_depths(
+        self, db: Any, terms: Sequence[_Term], depths: list[int], rests: list[tuple[float, int]], threshold: float
+    ) -> list[int] | None:
+        """Depths at which the bound of an unread chunk falls below ``threshold``: from the impacts at
+        4×, 16× and 64× each open list's depth, deepen greedily the list that lowers the bound most
+        per posting added. A round costs about its postings, and each round reads its lists from the
+        top again: one planned round instead of several ×4 steps. ``None`` when those depths would
+        not do."""
+        steps = [
+            (index, depths[index] * 4**power)
+            for _, index in rests
+            for power in (1, 2, 3)
+            if depths[index] * 4**power <= self.max_depth
+        ]
+        if not steps:
+            return None
+        rows = await db.fetch(_IMPACTS_AT, [terms[index].key for index, _ in steps], [depth for _, depth in steps])
+        rest_at: dict[int, list[tuple[int, float]]] = {}
+        for (index, depth), row in zip(steps, rows, strict=True):
+            rest_at.setdefault(index, []).append((depth, 0.0 if row[0] is None else terms[index].bound * row[0]))
+        current = {index: (depths[index], rest) for rest, index in rests}
+        remaining = sum(rest for rest, _ in rests)
+        planned = list(depths)
+        while remaining >= threshold:
+            moves = [
+                ((rest - deeper_rest) / (depth - current[index][0]), index, depth, rest - deeper_rest)
+                for index, options in rest_at.items()
+                for depth, deeper_rest in options
+                if depth > current[index][0] and (rest := current[index][1]) > deeper_rest
+            ]
+            if not moves:
+                return None
+            _, index, depth, lowered = max(moves)
+            remaining -= lowered
+            current[index] = (depth, current[index][1] - lowered)
+            planned[index] = depth
+        return planned
 
 
 class _Scorer:
