@@ -54,19 +54,23 @@ def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 def rows_read(plan: dict[str, Any], relation: str) -> int:
     """Rows the plan's scans of ``relation`` produced, over all their loops."""
-    own = plan["Actual Rows"] * plan["Actual Loops"] if plan.get("Relation Name") == relation else 0
-    return int(own) + sum(rows_read(child, relation) for child in plan.get("Plans", []))
+    return sum(int(node["Actual Rows"] * node["Actual Loops"]) for node in _scans(plan, relation))
 
 
 def rows_examined(plan: dict[str, Any], relation: str) -> int:
     """Rows the plan's scans of ``relation`` read, those their filters removed included, over all
     their loops."""
-    examined = 0
-    for node in nodes(plan):
-        if node.get("Relation Name") == relation:
-            removed = node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
-            examined += int((node["Actual Rows"] + removed) * node["Actual Loops"])
-    return examined
+    return sum(
+        int(
+            (node["Actual Rows"] + node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0))
+            * node["Actual Loops"]
+        )
+        for node in _scans(plan, relation)
+    )
+
+
+def _scans(plan: dict[str, Any], relation: str) -> Iterator[dict[str, Any]]:
+    return (node for node in nodes(plan) if node.get("Relation Name") == relation)
 
 
 def subplan(plan: dict[str, Any], name: str) -> dict[str, Any]:

@@ -65,6 +65,13 @@ BM25_TERMS = f"""
                  tsvector_to_array(to_tsvector('simple', cjk_bigrams(coalesce(${{text}}::text, '')))) AS bigrams) AS t
 """
 
+# The query's (field, lexeme) pairs as CTEs ``t`` (BM25_TERMS) and ``q``: field 0 the words, 1 the
+# bigrams. $1/$2: the query's words and raw text.
+_QUERY_TERMS = f"""
+    t AS MATERIALIZED ({BM25_TERMS.format(text=2)}),
+    q AS (SELECT 0::smallint AS field, lexeme FROM t, unnest(t.lexemes) AS lexeme
+          UNION ALL SELECT 1::smallint, lexeme FROM t, unnest(t.bigrams) AS lexeme)"""
+
 # In one statement (one round trip): the query's lexemes and bigrams (BM25_TERMS), the reference
 # statistics the impacts were stored under (keyword_reference) and each term's in-scope document
 # frequency from keyword_df, read through the caller's scope clause: keyword_df stands in for the
@@ -73,9 +80,7 @@ BM25_TERMS = f"""
 # with an ACL in connections that check it, which only an exact scan can judge. $1/$2: the query's
 # words and raw text; the scope's parameters from $3.
 _FREQUENCIES = f"""
-    WITH t AS MATERIALIZED ({BM25_TERMS.format(text=2)}),
-    q AS (SELECT 0::smallint AS field, lexeme FROM t, unnest(t.lexemes) AS lexeme
-          UNION ALL SELECT 1::smallint, lexeme FROM t, unnest(t.bigrams) AS lexeme),
+    WITH {_QUERY_TERMS},
     scoped AS (
         SELECT c.field, c.lexeme, c.chunks, CASE WHEN k.skip_acl THEN 0 ELSE c.restricted END AS restricted
         FROM (SELECT f.*, NULL::text[] AS acl FROM keyword_df f JOIN q USING (field, lexeme)) AS c
@@ -99,12 +104,13 @@ _FREQUENCIES = f"""
 # How many postings the query's terms have in the whole corpus (every connection and index
 # version): a bound of the chunks matching them. $1/$2: the query's words and raw text.
 _CORPUS_POSTINGS = f"""
-    WITH t AS MATERIALIZED ({BM25_TERMS.format(text=2)})
-    SELECT coalesce(sum(f.chunks), 0)::bigint
-    FROM t, LATERAL (SELECT 0::smallint AS field, lexeme FROM unnest(t.lexemes) AS lexeme
-                     UNION ALL SELECT 1::smallint, lexeme FROM unnest(t.bigrams) AS lexeme) AS q
-    JOIN keyword_df f ON f.field = q.field AND f.lexeme = q.lexeme
+    WITH {_QUERY_TERMS}
+    SELECT coalesce(sum(f.chunks), 0)::bigint FROM q JOIN keyword_df f USING (field, lexeme)
 """
+
+# The impact at depth ``t.depth`` of term ``t.term``'s list (NULL past its end): a short index scan.
+_IMPACT_AT_DEPTH = """(SELECT impact FROM keyword_postings p WHERE p.term = t.term
+                       ORDER BY impact DESC OFFSET t.depth - 1 LIMIT 1)"""
 
 # One round of reading: the best postings of each term (an index range scan each, as deep as that
 # term's depth) and per chunk read an upper bound of its score: its impacts read times the terms'
@@ -115,10 +121,9 @@ _CORPUS_POSTINGS = f"""
 # chunks have an upper bound of at least $4 (the threshold so far), and the first $5 of them by that
 # bound. Only those leave the server: a deep round reads hundreds of thousands of postings, in one
 # pass into one hash aggregate. $1: term keys, $2: depths, $3: bounds (weight × idf × drift × slack).
-_READ = """
+_READ = f"""
     WITH t AS MATERIALIZED (
-        SELECT t.*, t.bound * (SELECT impact FROM keyword_postings p WHERE p.term = t.term
-                               ORDER BY impact DESC OFFSET t.depth - 1 LIMIT 1) AS rest
+        SELECT t.*, t.bound * {_IMPACT_AT_DEPTH} AS rest
         FROM unnest($1::bigint[], $2::int[], $3::float8[]) WITH ORDINALITY AS t(term, depth, bound, ordinal)),
     unread AS (SELECT coalesce(sum(rest), 0)::float8 AS bound FROM t),
     candidates AS MATERIALIZED (
@@ -138,8 +143,8 @@ _READ = """
 
 # The impact at each given depth of a term's list (NULL past its end): by short index scans that
 # return one row each, a fraction of a round's cost, to plan the next round's depths.
-_IMPACTS_AT = """
-    SELECT (SELECT impact FROM keyword_postings p WHERE p.term = t.term ORDER BY impact DESC OFFSET t.depth - 1 LIMIT 1)
+_IMPACTS_AT = f"""
+    SELECT {_IMPACT_AT_DEPTH}
     FROM unnest($1::bigint[], $2::int[]) WITH ORDINALITY AS t(term, depth, ordinal)
     ORDER BY t.ordinal
 """
