@@ -457,16 +457,20 @@ class SearchStore:
             "avg_bigrams": stats.average_bigrams,
             "bigram_weight": bigram_weight,
         }
-        first = 3 + len(scope.params)
-        numbers = {name: first + offset for offset, name in enumerate(values)}
-        candidates = _MATCHES_FIRST
         if self._impact_ordered:
             answer = await self._from_postings(terms, limit, scope, query, stats)
             self.keyword_paths[answer.path] += 1
             if answer.hits is not None:
                 return [Hit(*hit) for hit in answer.hits]
-            if answer.corpus_postings:  # a selective scope, document filters
-                candidates = _SCOPE_FIRST.format(joins=scope.joins, scope=scope.sql, bound=answer.corpus_postings)
+            if answer.corpus_postings:  # a selective scope, document filters: the scope first
+                values["bound"] = answer.corpus_postings
+        first = 3 + len(scope.params)
+        numbers = {name: first + offset for offset, name in enumerate(values)}
+        candidates = _MATCHES_FIRST
+        if "bound" in numbers:  # a parameter, not a literal: one prepared statement serves every bound
+            candidates = _SCOPE_FIRST.format(
+                joins=scope.joins, scope=scope.sql, bound=f"${numbers.pop('bound')}::bigint"
+            )
         terms_sql = BM25_TERMS.format(text=numbers.pop("text"))
         rows = await self._db.fetch(
             _BM25.format(
