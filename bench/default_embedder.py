@@ -48,14 +48,21 @@ from ragstream.embedding.base import Embedder
 from ragstream.embedding.bilingual import is_chinese
 from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.embedding.onnx import OnnxEmbedder
-from ragstream.retrieval.fusion import MEASURED_FUSION, RrfFusion, reciprocal_rank_fusion
+from ragstream.retrieval.fusion import (
+    MEASURED_FUSION,
+    DistributionFusion,
+    RrfFusion,
+    VectorScores,
+    distribution_fusion,
+    reciprocal_rank_fusion,
+)
 from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
 from ragstream.stages.embed import embedding_input
 from ragstream.storage.database import connect_pool
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.scope import Scope
-from ragstream.storage.search import SearchStore
+from ragstream.storage.search import Hit, SearchStore
 
 __all__ = ["main"]
 
@@ -65,6 +72,7 @@ QUERIES = 1000
 RRF_K = (1, 5, 10, 20, 30, 60, 100)
 RRF_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # of each vector leg; keyword 1
 CONVEX_WEIGHTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+DBSF_SHARES = tuple(round(share / 20, 2) for share in range(21))  # each leg's share, in twentieths
 CANDIDATES = {"en": ["bge-small-en-v1.5", "use"], "zh": ["bge-small-zh-v1.5", "use"]}
 """The models measured per language unless ``--models`` names others (e.g. ``bge-small-zh-v1.5-fp32``);
 "use" is the local USE, the others BGE (onnx)."""
@@ -132,16 +140,45 @@ def candidates(name: str, legs: Legs, models: Sequence[str]) -> Callable[..., li
         }
         return [chunk for chunk, _ in sorted(scores.items(), key=lambda pair: (-pair[1], pair[0]))]
 
-    return rrf if name == "rrf" else convex
+    def dbsf(query: int, *, point: tuple[float, ...]) -> list[str]:
+        keyword_weight, *vector_weights = point
+        return [chunk for chunk, _ in fuse_distributions(legs, query, models, keyword_weight, vector_weights, [])]
+
+    return {"rrf": rrf, "convex": convex, "dbsf": dbsf}[name]
+
+
+def fuse_distributions(
+    legs: Legs,
+    query: int,
+    models: Sequence[str],
+    keyword_weight: float,
+    vector_weights: Sequence[float],
+    item_weights: list[dict[str, float]],
+) -> list[tuple[str, float]]:
+    """``distribution_fusion`` as the retriever calls it: each vector leg's hits, and the cosine of the
+    keyword-only chunks it did not return (the retriever's read-back)."""
+    position = {chunk: index for index, chunk in enumerate(legs.chunk_ids)}
+    keyword = [Hit(chunk, value) for chunk, value in legs.keyword[query]]
+    vectors = []
+    for model, weight in zip(models, vector_weights, strict=True):
+        hits = [Hit(chunk, value) for chunk, value in legs.vector_leg(model, query)]
+        found = {hit.chunk_id for hit in hits}
+        missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
+        similarity = {chunk: float(legs.cosines[model][query, position[chunk]]) for chunk in missing}
+        vectors.append(VectorScores(weight, hits, similarity))
+    return distribution_fusion(
+        vectors, keyword, keyword_weight=keyword_weight, item_weights=item_weights or [{} for _ in vectors]
+    )
 
 
 def grid(name: str, vector_legs: int) -> list[tuple[float, ...]]:
-    """RRF: (k, keyword weight 1, vector weights); convex: (keyword share, vector shares), summing to 1."""
+    """RRF: (k, keyword weight 1, vector weights); convex and dbsf: (keyword share, vector shares),
+    summing to 1 (convex in tenths, dbsf in twentieths)."""
     if name == "rrf":
         weights = [w for w in itertools.product(RRF_WEIGHTS, repeat=vector_legs) if any(w)]
         return [(k, 1.0, *w) for k in RRF_K for w in weights]
     points = []
-    for weights in itertools.product(CONVEX_WEIGHTS, repeat=vector_legs):
+    for weights in itertools.product(CONVEX_WEIGHTS if name == "convex" else DBSF_SHARES, repeat=vector_legs):
         keyword = round(1 - sum(weights), 2)
         if keyword > 0 and any(weights):
             points.append((keyword, *weights))
@@ -257,7 +294,7 @@ def shipped_default(
 
     def rank(query: int) -> list[str]:
         fusion = shipped.for_query(queries[query].text)
-        assert isinstance(fusion, RrfFusion)
+        assert isinstance(fusion, RrfFusion | DistributionFusion)
         asked_in_chinese = is_chinese(queries[query].text)
         rankings = {"bge": legs.vector_leg(legs.bge, query), "use": legs.vector_leg("use", query)}
         across = [
@@ -266,13 +303,17 @@ def shipped_default(
             else {}
             for name, hits in rankings.items()
         ]
-        fused = reciprocal_rank_fusion(
-            [[chunk for chunk, _ in hits] for hits in rankings.values()]
-            + [[chunk for chunk, _ in legs.keyword[query]]],
-            weights=[*(fusion.weight_of(name) for name in rankings), fusion.keyword_weight],
-            k=fusion.k,
-            item_weights=[*across, {}],
-        )
+        weights = [fusion.weight_of(name) for name in rankings]
+        if isinstance(fusion, DistributionFusion):
+            fused = fuse_distributions(legs, query, [legs.bge, "use"], fusion.keyword_weight, weights, across)
+        else:
+            fused = reciprocal_rank_fusion(
+                [[chunk for chunk, _ in hits] for hits in rankings.values()]
+                + [[chunk for chunk, _ in legs.keyword[query]]],
+                weights=[*weights, fusion.keyword_weight],
+                k=fusion.k,
+                item_weights=[*across, {}],
+            )
         return [chunk for chunk, _ in fused]
 
     tuned, held = list(queries[:TUNE]), list(queries[TUNE:])
@@ -315,7 +356,7 @@ def score_language(
         [model, "use"] for model in models if model != "use" and "use" in models
     ]
     for family in families:
-        for name in ("rrf", "convex"):
+        for name in ("rrf", "convex", "dbsf"):
             rank = candidates(name, legs, family)
             best_point, best, best_result = None, -1.0, {}
             scored: dict[str, float] = {}
@@ -369,6 +410,8 @@ def space_fusion(row: dict[str, Any]) -> dict[str, Any] | None:
         k, keyword, bge, use = point
         return {"kind": "rrf", "k": int(k), "keyword_weight": keyword, "block_weights": {"bge": bge, "use": use}}
     keyword, bge, use = point
+    if row["kind"] == "dbsf":
+        return {"kind": "dbsf", "keyword_weight": keyword, "block_weights": {"bge": bge, "use": use}}
     return {"kind": "convex", "alpha": keyword, "block_weights": {"bge": bge, "use": use}}
 
 

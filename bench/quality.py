@@ -17,10 +17,11 @@ into several chunks counts once, at its best rank.
 
 The index is kept in ``--data-dir`` (one database per language, corpus size and embedding model), so a
 second run only queries. ``--tune`` scores every (k1, b) of the BM25 grid from one pass of term statistics per
-query (the same formula as the SQL, checked against it), and every RRF (k, weight) and convex alpha
-by the retriever's own fusion functions on the legs' SQL output. The chosen fusion then also runs end
-to end through ``HybridRetriever.search``. ``--skip-queries`` confirms a choice on queries it was not
-tuned on, and each fusion's gain over the keyword leg comes with a paired bootstrap interval.
+query (the same formula as the SQL, checked against it), and every RRF (k, weight), convex alpha and
+distribution-based keyword share by the retriever's own fusion functions on the legs' SQL output.
+The chosen fusion then also runs end to end through ``HybridRetriever.search``. ``--skip-queries``
+confirms a choice on queries it was not tuned on, and each fusion's gain over the keyword leg comes
+with a paired bootstrap interval.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ from ragstream.parsing import Parser
 from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchRequest
 from ragstream.retrieval.fusion import (
     ConvexFusion,
+    DistributionFusion,
     Fusion,
     RrfFusion,
     VectorScores,
     convex_fusion,
+    distribution_fusion,
     reciprocal_rank_fusion,
 )
 from ragstream.segmentation import query_terms
@@ -88,6 +91,7 @@ RRF_GRID_K = (1, 5, 10, 20, 30, 45, 60, 100, 200)
 RRF_GRID_KEYWORD_WEIGHT = (0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 10.0, 20.0)
 VECTOR_LEG = "vector: HNSW (vector_leg)"
 CONVEX_GRID_ALPHA = (0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+DBSF_GRID_KEYWORD_SHARE = tuple(round(share / 20, 2) for share in range(1, 20))
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -589,6 +593,15 @@ class LanguageBench:
             run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
         return run
 
+    def dbsf_run(self, keyword_share: float) -> Run:
+        """The distribution-based score fusion of the two legs' outputs, by the function the retriever calls."""
+        run = Run()
+        for v, kw, similarity in zip(self.vector_lists, self.keyword_lists, self.similarities, strict=True):
+            vector = VectorScores(1 - keyword_share, v, similarity)
+            fused = distribution_fusion([vector], kw, keyword_weight=keyword_share)
+            run.rankings.append(answers_of([chunk for chunk, _ in fused[:TOP]], self.answer_of))
+        return run
+
     def tune_fusion(self) -> None:
         for k, weight in itertools.product(RRF_GRID_K, RRF_GRID_KEYWORD_WEIGHT):
             self.rrf_grid[(k, weight)] = self.rrf_run(k, weight).metrics(self.queries)
@@ -601,11 +614,21 @@ class LanguageBench:
             self.convex_grid, key=lambda a: (self.convex_grid[a]["ndcg@10"], self.convex_grid[a]["recall@10"])
         )
         self.report["convex_best_for_this_language"] = {"alpha": best_alpha, **self.convex_grid[best_alpha]}
+        dbsf_grid = {share: self.dbsf_run(share).metrics(self.queries) for share in DBSF_GRID_KEYWORD_SHARE}
+        self.report["dbsf_grid"] = [{"keyword_share": share, **m} for share, m in dbsf_grid.items()]
+        best_share = max(dbsf_grid, key=lambda s: (dbsf_grid[s]["ndcg@10"], dbsf_grid[s]["recall@10"]))
+        self.report["dbsf_best_for_this_language"] = {"keyword_share": best_share, **dbsf_grid[best_share]}
         first = self.args.skip_queries + 1
         tuned_on = f"InsuranceQA {self.args.split} queries {first}-{first + len(self.queries) - 1}, {self.lang}"
-        candidates: list[tuple[dict[str, float], RrfFusion | ConvexFusion]] = [
+        candidates: list[tuple[dict[str, float], RrfFusion | ConvexFusion | DistributionFusion]] = [
             (self.rrf_grid[best], RrfFusion(k=best[0], keyword_weight=best[1], tuned_on=tuned_on)),
             (self.convex_grid[best_alpha], ConvexFusion(alpha=best_alpha, tuned_on=tuned_on)),
+            (
+                dbsf_grid[best_share],
+                DistributionFusion(
+                    keyword_weight=best_share, vector_weight=round(1 - best_share, 2), tuned_on=tuned_on
+                ),
+            ),
         ]
         metrics, fusion = max(candidates, key=lambda pair: (pair[0]["ndcg@10"], pair[0]["recall@10"]))
         # What `PUT /v1/spaces/{model_key}/fusion` takes: this model's own weights, in any deployment.

@@ -1,5 +1,6 @@
-"""The two fusions: RRF by ranks, the convex combination by scores; and the retriever's convex path on
-a real PostgreSQL, checked against cosines computed here from the stored vectors."""
+"""The fusions: RRF by ranks, the convex combination and distribution-based score fusion by scores; and
+the retriever's score fusions on a real PostgreSQL, checked against cosines computed here from the
+stored vectors."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from ragstream.retrieval import HybridRetriever, RetrievalSettings, SearchFilter
 from ragstream.retrieval.fusion import (
     VECTOR,
     ConvexFusion,
+    DistributionFusion,
     RrfFusion,
     VectorScores,
     convex_fusion,
+    distribution_fusion,
     reciprocal_rank_fusion,
 )
 from ragstream.runtime import Runtime
@@ -87,11 +90,61 @@ def test_convex_edge_cases() -> None:
             convex_fusion([VectorScores(1.0, [], {})], [], alpha=alpha)
 
 
+def spread(values: list[float], value: float) -> float:
+    """``value`` on 0..1 between the mean of ``values`` minus and plus three standard deviations."""
+    low, high = np.mean(values) - 3 * np.std(values), np.mean(values) + 3 * np.std(values)
+    return float(np.clip((value - low) / (high - low), 0.0, 1.0))
+
+
+def test_distribution_fusion_puts_each_leg_on_the_spread_of_its_own_results() -> None:
+    keyword = [Hit("exact", 12.0), Hit("near", 3.0), Hit("far", 2.5)]
+    vector = [Hit("near", 0.62), Hit("other", 0.60), Hit("far", 0.31)]
+    similarity = {"exact": 0.40}
+
+    fused = distribution_fusion([VectorScores(0.6, vector, similarity)], keyword, keyword_weight=0.4)
+
+    bm25, cosines = [12.0, 3.0, 2.5], [0.62, 0.60, 0.31]
+    assert dict(fused) == pytest.approx(
+        {
+            "exact": 0.4 * spread(bm25, 12.0) + 0.6 * spread(cosines, 0.40),
+            "near": 0.4 * spread(bm25, 3.0) + 0.6 * spread(cosines, 0.62),
+            "far": 0.4 * spread(bm25, 2.5) + 0.6 * spread(cosines, 0.31),
+            "other": 0.6 * spread(cosines, 0.60),  # no keyword score: nothing from that leg
+        }
+    )
+    assert [score for _, score in fused] == sorted((score for _, score in fused), reverse=True)
+    # BM25 at ten times the scale ranks the same: each leg is measured against its own results.
+    scaled = [Hit(hit.chunk_id, 10 * hit.score) for hit in keyword]
+    assert order(distribution_fusion([VectorScores(0.6, vector, similarity)], scaled, keyword_weight=0.4)) == order(
+        fused
+    )
+
+
+def test_distribution_fusion_weighs_chosen_items_and_survives_flat_legs() -> None:
+    use = VectorScores(0.1, [Hit("same", 0.5), Hit("other", 0.4)], {})
+    plain = dict(distribution_fusion([use], [Hit("k", 1.0)], keyword_weight=0.5))
+    weighted = dict(distribution_fusion([use], [Hit("k", 1.0)], keyword_weight=0.5, item_weights=[{"other": 0.9}]))
+    assert weighted["other"] == pytest.approx(9 * plain["other"]) and weighted["same"] == plain["same"]
+    # One keyword hit (no spread) counts in full; a read-back cosine below a flat leg's counts nothing.
+    assert plain["k"] == pytest.approx(0.5)
+    flat = VectorScores(1.0, [Hit("a", 0.3), Hit("b", 0.3)], {"k": 0.1})
+    assert dict(distribution_fusion([flat], [Hit("k", 2.0)], keyword_weight=0.5)) == {"a": 1.0, "b": 1.0, "k": 0.5}
+    assert distribution_fusion([VectorScores(1.0, [], {})], [], keyword_weight=1.0) == []
+    with pytest.raises(ValueError, match="one item weight mapping per vector ranking"):
+        distribution_fusion([use], [], keyword_weight=1.0, item_weights=[])
+
+
 @pytest.mark.integration
-async def test_the_retriever_scores_every_candidate_by_both_legs(runtime: Runtime, corpus: Path) -> None:
+@pytest.mark.parametrize(
+    "fusion", [ConvexFusion(alpha=0.6), DistributionFusion(keyword_weight=0.4)], ids=["convex", "dbsf"]
+)
+async def test_the_retriever_scores_every_candidate_by_both_legs(
+    runtime: Runtime, corpus: Path, fusion: ConvexFusion | DistributionFusion
+) -> None:
     """With legs of 2, one of the keyword leg's chunks (crafts.md: "trades" five times, about jobs)
-    falls outside the vector leg: its cosine is read from the store, so each fused score is
-    alpha · BM25 / best + (1 − alpha) · cosine, for every result."""
+    falls outside the vector leg: its cosine is read from the store, so each fused score is, for every
+    result, alpha · BM25 / best + (1 − alpha) · cosine (convex), or each leg's score on the spread of
+    its own results, weighted (distribution-based)."""
     documents = {
         "kafka.md": "# Kafka retention\n\nThe trades topic keeps messages for thirty days.",
         "backup.md": "# Backups\n\nThe database is backed up every night; restores are tested monthly.",
@@ -108,12 +161,8 @@ async def test_the_retriever_scores_every_candidate_by_both_legs(runtime: Runtim
     filters = SearchFilters(connection_ids=[connector.connection_id])
     query = "how many days of retention does the trades topic keep"
     store = SearchStore(runtime.pool)
-    alpha = 0.6
     retriever = HybridRetriever(
-        store,
-        runtime.embedder,
-        CitationStore(runtime.pool),
-        settings=RetrievalSettings(leg_size=2, fusion=ConvexFusion(alpha=alpha)),
+        store, runtime.embedder, CitationStore(runtime.pool), settings=RetrievalSettings(leg_size=2, fusion=fusion)
     )
 
     response = await retriever.search(SearchRequest(query=query, top_k=4, filters=filters))
@@ -136,14 +185,23 @@ async def test_the_retriever_scores_every_candidate_by_both_legs(runtime: Runtim
     }
     best = keyword[0].score
     lexical = {hit.chunk_id: hit.score / best for hit in keyword}
+    nearest = sorted(cosine.values(), reverse=True)[:2]
+
+    def expected(chunk: str) -> float:
+        if isinstance(fusion, ConvexFusion):
+            return fusion.alpha * lexical.get(chunk, 0.0) + (1 - fusion.alpha) * cosine[chunk]
+        bm25 = [hit.score for hit in keyword]
+        return fusion.keyword_weight * (spread(bm25, lexical[chunk] * best) if chunk in lexical else 0.0) + spread(
+            nearest, cosine[chunk]
+        )
+
     vector_only = [r for r in response.results if r.keyword_rank is None]
     keyword_only = [r for r in response.results if r.vector_rank is None]
 
     assert keyword_only and vector_only, "legs of 2 over 7 documents: each leg adds its own"
     assert len(response.results) == len({*lexical, *(r.chunk_id for r in vector_only)}) == 3
     for result in response.results:
-        expected = alpha * lexical.get(result.chunk_id, 0.0) + (1 - alpha) * cosine[result.chunk_id]
-        assert result.score == pytest.approx(expected, abs=1e-5), result.source
+        assert result.score == pytest.approx(expected(result.chunk_id), abs=1e-5), result.source
     assert [r.score for r in response.results] == sorted((r.score for r in response.results), reverse=True)
     assert response.results[0].source == "kafka.md"
 

@@ -16,11 +16,13 @@ from ragstream.retrieval.budget import MAX_CALL_CHARS, MAX_RESULT_CHARS, preview
 from ragstream.retrieval.fusion import (
     DEFAULT_FUSION,
     VECTOR,
-    ConvexFusion,
-    QueryLanguageFusion,
+    AnyFusion,
+    DistributionFusion,
+    OneFusion,
     RrfFusion,
     VectorScores,
     convex_fusion,
+    distribution_fusion,
     effective_fusion,
     reciprocal_rank_fusion,
 )
@@ -42,7 +44,7 @@ class RetrievalSettings:
     space fuses with the weights measured for its model (``MEASURED_FUSION``), else ``DEFAULT_FUSION``."""
 
     leg_size: int = 30
-    fusion: RrfFusion | ConvexFusion | None = None
+    fusion: OneFusion | None = None
     rerank_candidates: int = 30
     rerank_timeout_s: float = 5.0
     rephrase_timeout_s: float = 10.0
@@ -266,7 +268,7 @@ class HybridRetriever:
             for name, parts in rankings.items()
         }
 
-    def _fusion_of(self, spaces: list[SearchedSpace]) -> RrfFusion | ConvexFusion | QueryLanguageFusion:
+    def _fusion_of(self, spaces: list[SearchedSpace]) -> AnyFusion:
         """The effective fusion of the first space searched (the default space when it is one of them)."""
         space = spaces[0] if spaces else None
         if space is None:
@@ -279,7 +281,7 @@ class HybridRetriever:
         legs: list[_Leg],
         vector: dict[str, list[Hit]],
         keyword: list[Hit],
-        fusion: RrfFusion | ConvexFusion,
+        fusion: OneFusion,
         query: str,
     ) -> list[tuple[str, float]]:
         """The keyword leg fused with every vector ranking, each weighted as ``fusion`` says for its name.
@@ -289,17 +291,11 @@ class HybridRetriever:
         if VECTOR in weights and len(weights) > 1:
             weights[VECTOR] = sum(weight for name, weight in weights.items() if name != VECTOR)
         if isinstance(fusion, RrfFusion):
-            across = [
-                await self._other_language(store, hits, query, fusion.cross_language_weights[name])
-                if name in fusion.cross_language_weights
-                else {}
-                for name, hits in vector.items()
-            ]
             return reciprocal_rank_fusion(
                 [[hit.chunk_id for hit in hits] for hits in vector.values()] + [[hit.chunk_id for hit in keyword]],
                 weights=[*weights.values(), fusion.keyword_weight],
                 k=fusion.k,
-                item_weights=[*across, {}],
+                item_weights=[*await self._across_languages(store, vector, fusion, query), {}],
             )
         scored = []
         for name, hits in vector.items():
@@ -312,7 +308,26 @@ class HybridRetriever:
                     scope = leg.scope if leg.restricted else None
                     similarity.update(await store.similarities(leg.table, leg.vector, missing, scope, leg.block))
             scored.append(VectorScores(weights[name], hits, similarity))
+        if isinstance(fusion, DistributionFusion):
+            return distribution_fusion(
+                scored,
+                keyword,
+                keyword_weight=fusion.keyword_weight,
+                item_weights=await self._across_languages(store, vector, fusion, query),
+            )
         return convex_fusion(scored, keyword, alpha=fusion.alpha)
+
+    async def _across_languages(
+        self, store: SearchStore, vector: dict[str, list[Hit]], fusion: RrfFusion | DistributionFusion, query: str
+    ) -> list[dict[str, float]]:
+        """Per vector ranking, the weight of its hits in another language than the query's, for the
+        rankings ``fusion.cross_language_weights`` names."""
+        return [
+            await self._other_language(store, hits, query, fusion.cross_language_weights[name])
+            if name in fusion.cross_language_weights
+            else {}
+            for name, hits in vector.items()
+        ]
 
     @staticmethod
     async def _other_language(store: SearchStore, hits: list[Hit], query: str, weight: float) -> dict[str, float]:
