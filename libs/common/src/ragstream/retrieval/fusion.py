@@ -302,12 +302,12 @@ def distribution_fusion(
 
     ``n`` places a leg's score on 0..1 by the spread of that leg's own results for the query: 0 at
     their mean minus three standard deviations, 1 at their mean plus three, clipped (results all
-    equal: 1 for a score as good, else 0).
-    BM25 has no fixed scale and each model spreads its cosines its own way, so this puts the legs on
-    one scale without stretching a leg whose results are all alike into a full 0..1 as min-max
-    would. ``wᵢ(d)`` is ranking i's weight, or the one ``item_weights[i]`` gives ``d``. A ranking's
-    ``similarity`` holds the cosine of keyword-only chunks it did not return, measured on its scale;
-    a chunk a leg did not return and has no score from adds nothing for that leg.
+    equal: 1 for a score as good, else 0). BM25 has no fixed scale and each model places its cosines
+    its own way, so each leg is measured against its own results: a result far above the leg's others
+    scores near 1, one among many alike near the middle. ``wᵢ(d)`` is ranking i's weight, or the one
+    ``item_weights[i]`` gives ``d``. A ranking's ``similarity`` holds the cosine of keyword-only
+    chunks it did not return, measured on its scale; a chunk a leg did not return and has no score
+    from adds nothing for that leg.
     """
     overrides = item_weights if item_weights is not None else [{}] * len(vectors)
     if len(overrides) != len(vectors):
