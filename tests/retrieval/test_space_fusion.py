@@ -159,6 +159,15 @@ async def test_fusion_is_set_and_taken_back_over_http(runtime: Runtime, scope: S
         per_language = {"kind": "query_language", "chinese": OWN, "other": {"kind": "convex", "alpha": 0.3}}
         put = await client.put(f"/v1/spaces/{key}/fusion", json=per_language)
         assert put.status_code == 200 and put.json()["fusion"]["other"]["alpha"] == 0.3
+        by_spread = {"kind": "dbsf", "keyword_weight": 0.35, "vector_weight": 0.65}
+        put = await client.put(f"/v1/spaces/{key}/fusion", json=by_spread)
+        assert put.status_code == 200 and put.json()["fusion"] == {
+            **by_spread,
+            "block_weights": {},
+            "cross_language_weights": {},
+            "tuned_on": None,
+        }
+        assert (await client.put(f"/v1/spaces/{key}/fusion", json={**by_spread, "k": 5})).status_code == 422
         nested = {**per_language, "other": {"kind": "rrf", "cross_language_weights": {"use": 2}}}
         misnamed = await client.put(f"/v1/spaces/{key}/fusion", json=nested)
         assert misnamed.status_code == 422 and "no block 'use'" in misnamed.json()["detail"]
