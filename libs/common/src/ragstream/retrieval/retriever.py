@@ -302,7 +302,7 @@ class HybridRetriever:
             similarity: dict[str, float] = {}
             found = {hit.chunk_id for hit in hits}
             missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
-            for leg in legs if missing else []:
+            for leg in legs if missing and weights[name] > 0 else []:  # a ranking that weighs 0 adds nothing
                 if leg.name == name:
                     # Each chunk's similarity in its own connection's space: the leg's scope says whose.
                     scope = leg.scope if leg.restricted else None
