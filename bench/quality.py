@@ -463,9 +463,11 @@ class Choice:
     alpha: float
     fusion: Fusion
 
-    def fusion_config(self) -> RrfFusion | ConvexFusion:
+    def fusion_config(self) -> RrfFusion | ConvexFusion | DistributionFusion:
         if self.fusion == "rrf":
             return RrfFusion(k=self.rrf_k, vector_weight=1.0, keyword_weight=self.keyword_weight)
+        if self.fusion == "dbsf":
+            return DistributionFusion(keyword_weight=self.alpha, vector_weight=1 - self.alpha)
         return ConvexFusion(alpha=self.alpha)
 
 
@@ -647,6 +649,7 @@ class LanguageBench:
                 choice.rrf_k, choice.keyword_weight
             ),
             f"convex, alpha {choice.alpha} (keyword share)": self.convex_run(choice.alpha),
+            f"distribution-based, keyword share {choice.alpha}": self.dbsf_run(choice.alpha),
         }
         for label, run in runs.items():
             self.runs[f"fused: {label}"] = run
@@ -842,8 +845,12 @@ def main() -> None:
     parser.add_argument("--bigram-weight", type=float, default=DEFAULTS.bm25_bigram_weight, help="BM25 bigram weight")
     parser.add_argument("--rrf-k", type=int, default=DEFAULTS.rrf_k)
     parser.add_argument("--keyword-weight", type=float, default=DEFAULTS.rrf_keyword_weight, help="vector weight is 1")
-    parser.add_argument("--fusion", choices=("rrf", "convex"), default=DEFAULTS.fusion, help="of the end-to-end run")
-    parser.add_argument("--alpha", type=float, default=DEFAULTS.fusion_alpha, help="keyword share of convex fusion")
+    parser.add_argument(
+        "--fusion", choices=("rrf", "convex", "dbsf"), default=DEFAULTS.fusion, help="of the end-to-end run"
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=DEFAULTS.fusion_alpha, help="keyword share of convex or dbsf fusion"
+    )
     parser.add_argument("--ef-search", type=int, default=100, help="hnsw.ef_search of the vector leg")
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "ragstream-quality")
     parser.add_argument("--out", type=Path, help="JSON results (default bench/results/quality-<split>.json)")

@@ -18,6 +18,7 @@ from ragstream.retrieval.fusion import (
     DEFAULT_FUSION,
     MEASURED_FUSION,
     ConvexFusion,
+    DistributionFusion,
     QueryLanguageFusion,
     RrfFusion,
     effective_fusion,
@@ -68,6 +69,9 @@ def test_the_bilingual_space_fuses_each_query_by_its_language() -> None:
 def test_the_operators_fusion_counts_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chosen_fusion(Settings()) is None
     assert chosen_fusion(Settings(fusion="rrf")) == RrfFusion(k=60, vector_weight=1.0, keyword_weight=20.0)
+    assert chosen_fusion(Settings(fusion="dbsf", fusion_alpha=0.35)) == DistributionFusion(
+        keyword_weight=0.35, vector_weight=0.65
+    )
     monkeypatch.setenv("RAGSTREAM_FUSION_ALPHA", "0.3")
     assert chosen_fusion(Settings()) == ConvexFusion(alpha=0.3)
 

@@ -25,7 +25,7 @@ from ragstream.rechunk import Rechunker
 from ragstream.reindex import Reindexer
 from ragstream.retrieval import HybridRetriever, RetrievalSettings
 from ragstream.retrieval.direct import DirectSearch
-from ragstream.retrieval.fusion import ConvexFusion, RrfFusion
+from ragstream.retrieval.fusion import ConvexFusion, DistributionFusion, OneFusion, RrfFusion
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.rephrase import DashScopeChatRephraser, QueryRephraser
 from ragstream.retrieval.rerank import DashScopeReranker, Reranker
@@ -169,7 +169,7 @@ def create_reranker(settings: Settings) -> Reranker | None:
 _FUSION_SETTINGS = frozenset({"fusion", "fusion_alpha", "rrf_k", "rrf_vector_weight", "rrf_keyword_weight"})
 
 
-def chosen_fusion(settings: Settings) -> RrfFusion | ConvexFusion | None:
+def chosen_fusion(settings: Settings) -> OneFusion | None:
     """The fusion the operator set (any ``RAGSTREAM_FUSION*`` or ``RAGSTREAM_RRF_*``), which then serves
     every space without a fusion of its own; None when nothing was set."""
     if not settings.model_fields_set & _FUSION_SETTINGS:
@@ -178,6 +178,8 @@ def chosen_fusion(settings: Settings) -> RrfFusion | ConvexFusion | None:
         return RrfFusion(
             k=settings.rrf_k, vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
         )
+    if settings.fusion == "dbsf":
+        return DistributionFusion(keyword_weight=settings.fusion_alpha, vector_weight=1 - settings.fusion_alpha)
     return ConvexFusion(alpha=settings.fusion_alpha)
 
 

@@ -310,15 +310,21 @@ class Settings(BaseSettings):
     # Set any of these five and they serve every embedding space; unset, a space fuses with its stored
     # or measured weights (retrieval/fusion.py), and these defaults (the USE tuning) serve the rest.
     fusion: Annotated[
-        Literal["rrf", "convex"],
+        Literal["rrf", "convex", "dbsf"],
         Field(
             title="How the two legs are fused",
-            description="convex: alpha · BM25 / best BM25 + (1 − alpha) · cosine; rrf: reciprocal rank fusion.",
+            description="convex: alpha · BM25 / best BM25 + (1 − alpha) · cosine; rrf: reciprocal rank fusion; "
+            "dbsf: each leg's scores on the spread of its own results, the keyword leg weighing alpha.",
         ),
     ] = "convex"
     fusion_alpha: Annotated[
         float,
-        Field(title="Keyword share of the convex fusion", description="0: vector only, 1: keyword only.", ge=0, le=1),
+        Field(
+            title="Keyword share of the convex or distribution-based fusion",
+            description="0: vector only, 1: keyword only.",
+            ge=0,
+            le=1,
+        ),
     ] = 0.6
     rrf_k: Annotated[int, Field(title="RRF k", description="Higher flattens the rank differences.", ge=1)] = 60
     rrf_vector_weight: Annotated[float, Field(title="RRF weight of the vector leg", ge=0)] = 1.0

@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, status
 from pydantic import BaseModel, Field
 
 from ragstream.core.vectors import vector_blocks
-from ragstream.retrieval.fusion import ConvexFusion, FusionConfig, FusionOrigin, RrfFusion, effective_fusion
+from ragstream.retrieval.fusion import FusionConfig, FusionOrigin, OneFusion, effective_fusion
 from ragstream.storage.spaces import EmbeddingSpace, SpaceStatus, SpaceStore
 
 __all__ = ["SpaceView", "spaces_router"]
@@ -35,7 +35,7 @@ class SpaceView(BaseModel):
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such embedding space"}}
 
 
-def spaces_router(store: SpaceStore, chosen: RrfFusion | ConvexFusion | None) -> APIRouter:
+def spaces_router(store: SpaceStore, chosen: OneFusion | None) -> APIRouter:
     """``chosen``: the operator's deployment-wide fusion, which a space's own overrides."""
     router = APIRouter(prefix="/v1/spaces", tags=["spaces"])
 

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 RRF_K = 60
 
-Fusion = Literal["rrf", "convex"]
+Fusion = Literal["rrf", "convex", "dbsf"]
 
 
 VECTOR = "vector"
