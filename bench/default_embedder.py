@@ -110,10 +110,14 @@ class Legs:
     def vector_leg(self, model: str, query: int) -> list[tuple[str, float]]:
         return self.vector[model][query]
 
+    @functools.cached_property
+    def position(self) -> dict[str, int]:
+        """Each chunk's column in ``cosines``."""
+        return {chunk: index for index, chunk in enumerate(self.chunk_ids)}
+
 
 def candidates(name: str, legs: Legs, models: Sequence[str]) -> Callable[..., list[str]]:
     """A fusion family's ranking of one query for one grid point, as chunk ids best first."""
-    position = {chunk: index for index, chunk in enumerate(legs.chunk_ids)}
 
     def rrf(query: int, *, point: tuple[float, ...]) -> list[str]:
         k, keyword_weight, *vector_weights = point
@@ -133,7 +137,7 @@ def candidates(name: str, legs: Legs, models: Sequence[str]) -> Callable[..., li
         scores = {
             chunk: keyword_weight * lexical.get(chunk, 0.0)
             + sum(
-                weight * float(legs.cosines[model][query, position[chunk]])
+                weight * float(legs.cosines[model][query, legs.position[chunk]])
                 for model, weight in zip(models, vector_weights, strict=True)
             )
             for chunk in pool
@@ -157,14 +161,13 @@ def fuse_distributions(
 ) -> list[tuple[str, float]]:
     """``distribution_fusion`` as the retriever calls it: each vector leg's hits, and the cosine of the
     keyword-only chunks it did not return (the retriever's read-back)."""
-    position = {chunk: index for index, chunk in enumerate(legs.chunk_ids)}
     keyword = [Hit(chunk, value) for chunk, value in legs.keyword[query]]
     vectors = []
     for model, weight in zip(models, vector_weights, strict=True):
         hits = [Hit(chunk, value) for chunk, value in legs.vector_leg(model, query)]
         found = {hit.chunk_id for hit in hits}
         missing = [hit.chunk_id for hit in keyword if hit.chunk_id not in found]
-        similarity = {chunk: float(legs.cosines[model][query, position[chunk]]) for chunk in missing}
+        similarity = {chunk: float(legs.cosines[model][query, legs.position[chunk]]) for chunk in missing}
         vectors.append(VectorScores(weight, hits, similarity))
     return distribution_fusion(
         vectors, keyword, keyword_weight=keyword_weight, item_weights=item_weights or [{} for _ in vectors]

@@ -467,7 +467,7 @@ class Choice:
         if self.fusion == "rrf":
             return RrfFusion(k=self.rrf_k, vector_weight=1.0, keyword_weight=self.keyword_weight)
         if self.fusion == "dbsf":
-            return DistributionFusion(keyword_weight=self.alpha, vector_weight=1 - self.alpha)
+            return DistributionFusion.keyword_share(self.alpha)
         return ConvexFusion(alpha=self.alpha)
 
 
@@ -627,9 +627,7 @@ class LanguageBench:
             (self.convex_grid[best_alpha], ConvexFusion(alpha=best_alpha, tuned_on=tuned_on)),
             (
                 dbsf_grid[best_share],
-                DistributionFusion(
-                    keyword_weight=best_share, vector_weight=round(1 - best_share, 2), tuned_on=tuned_on
-                ),
+                DistributionFusion.keyword_share(best_share, tuned_on=tuned_on),
             ),
         ]
         metrics, fusion = max(candidates, key=lambda pair: (pair[0]["ndcg@10"], pair[0]["recall@10"]))

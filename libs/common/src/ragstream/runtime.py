@@ -179,7 +179,7 @@ def chosen_fusion(settings: Settings) -> OneFusion | None:
             k=settings.rrf_k, vector_weight=settings.rrf_vector_weight, keyword_weight=settings.rrf_keyword_weight
         )
     if settings.fusion == "dbsf":
-        return DistributionFusion(keyword_weight=settings.fusion_alpha, vector_weight=1 - settings.fusion_alpha)
+        return DistributionFusion.keyword_share(settings.fusion_alpha)
     return ConvexFusion(alpha=settings.fusion_alpha)
 
 

@@ -121,6 +121,11 @@ class DistributionFusion(_CrossLanguageWeights):
 
     kind: Literal["dbsf"] = "dbsf"
 
+    @classmethod
+    def keyword_share(cls, share: float, **fields: object) -> DistributionFusion:
+        """The keyword leg weighing ``share`` and the vector leg the rest."""
+        return cls.model_validate({"keyword_weight": share, "vector_weight": round(1 - share, 6), **fields})
+
 
 class ConvexFusion(_Weights):
     """A convex combination of the legs' normalised scores, ``alpha`` being the keyword leg's share; with
