@@ -3,6 +3,7 @@ cannot store. The bombs are built in the test, streamed, and small on disk."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from pathlib import Path
@@ -146,5 +147,22 @@ async def test_a_worker_that_cannot_start_is_a_retryable_error_not_the_documents
         with pytest.raises(RuntimeError, match="failed to start") as raised:
             await pool.run(b"# Fine\n\ntext", "text/markdown", "fine.md")
         assert classify(raised.value).retryable
+    finally:
+        await pool.aclose()
+
+
+async def test_a_run_cancelled_as_a_worker_frees_up_is_cancelled_and_leaves_the_worker() -> None:
+    # The one worker is busy; a second run waits for it. The second is cancelled in the very loop turn
+    # the first hands the worker back: it must raise, not go on to parse (Python 3.11's wait_for
+    # returned the worker instead, and a task group waiting on that run hung).
+    pool = ParserPool(Parser(), workers=1)
+    try:
+        first = asyncio.create_task(pool.run(b"first", "text/plain", "first.txt"))
+        waiting = asyncio.create_task(pool.run(b"second", "text/plain", "second.txt"))
+        first.add_done_callback(lambda _: waiting.cancel())
+        assert (await first).markdown == "first"
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert (await pool.run(b"third", "text/plain", "third.txt")).markdown == "third"
     finally:
         await pool.aclose()

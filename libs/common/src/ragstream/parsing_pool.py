@@ -94,7 +94,8 @@ class _Worker:
         if stdin is not None and not stdin.is_closing():
             stdin.close()
         try:
-            await asyncio.wait_for(self._process.wait(), _CLOSE_GRACE_S)
+            async with asyncio.timeout(_CLOSE_GRACE_S):
+                await self._process.wait()
         except TimeoutError:
             await self.kill()
 
@@ -132,7 +133,8 @@ class ParserPool:
             raise RuntimeError("the parser pool is closed")
         self._parser.check_size(content)  # not worth piping to a worker
         try:
-            worker = await asyncio.wait_for(self._idle.get(), 10 * self._timeout_s)
+            async with asyncio.timeout(10 * self._timeout_s):
+                worker = await self._idle.get()
         except TimeoutError:
             raise TimeoutError(f"no parser worker was free within {10 * self._timeout_s:.0f} s") from None
         try:

@@ -231,7 +231,8 @@ class Runner:
                 except CONNECTION_ERRORS as error:
                     logger.warning("claiming runs failed, retrying: %s", error)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._poll_interval_s)
+                    async with asyncio.timeout(self._poll_interval_s):
+                        await self._wake.wait()
                 self._wake.clear()
         finally:
             for task in self._tasks:

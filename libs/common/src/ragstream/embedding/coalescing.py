@@ -131,7 +131,8 @@ class CoalescingEmbedder:
             while self._queued < self.limits.batch_size and (left := deadline - loop.time()) > 0:
                 arrived.clear()
                 try:
-                    await asyncio.wait_for(arrived.wait(), left)
+                    async with asyncio.timeout(left):
+                        await arrived.wait()
                 except TimeoutError:
                     break
             parts = self._take()

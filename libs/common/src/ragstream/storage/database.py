@@ -115,7 +115,8 @@ async def close_pool(pool: asyncpg.Pool, timeout_s: float) -> None:
     """Close ``pool`` gracefully, waiting at most ``timeout_s`` for connections still in use; then
     terminate them (their transactions roll back), so that a stuck caller cannot hold up shutdown."""
     try:
-        await asyncio.wait_for(pool.close(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await pool.close()
     except TimeoutError:
         logger.warning("database connections still in use after %s s: terminating them", timeout_s)
         pool.terminate()
