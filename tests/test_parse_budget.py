@@ -90,6 +90,20 @@ async def test_a_parse_over_its_memory_fails_alone_and_the_pool_goes_on(tmp_path
         await pool.aclose()
 
 
+async def test_html_over_its_memory_fails_alone_and_the_pool_goes_on() -> None:
+    # 20 MB of table cells: the converter's tree of them needs far more than the worker's 256 MiB, and
+    # its failed allocation aborts the worker (Rust code) instead of raising MemoryError.
+    page = ("<table>" + "<tr><td>a</td><td>b</td></tr>" * 700_000 + "</table>").encode()
+    pool = ParserPool(Parser(64 << 20), workers=1, memory_mb=256)
+    try:
+        with pytest.raises(ParseError) as big:
+            await pool.run(page, "text/html", "big.html")
+        assert big.value.code == ParseErrorCode.PARSE_MEMORY
+        assert (await pool.run(b"# Next\n\nparsed by a new worker", "text/markdown", "next.md")).title == "Next"
+    finally:
+        await pool.aclose()
+
+
 def parser_workers() -> set[int]:
     """Process ids of this process's parser workers (the session runtime's included)."""
     workers = set()

@@ -157,9 +157,33 @@ def test_html_keeps_the_text_and_drops_the_page_chrome() -> None:
 
 
 def test_html_of_unclosed_tags_parses_in_linear_time() -> None:
-    # Python's html.parser is quadratic on these (minutes at this size); lxml is not.
-    page = "<p>The lentil page.</p>" + "<a " * 50_000 + "<!--" * 50_000
+    # Python's html.parser is quadratic on these (minutes at this size); the converter is not, nor are
+    # the passes over the raw page for the title and the elements to drop.
+    page = "<p>The lentil page.</p>" + "<a " * 50_000 + "<!--" * 50_000 + "<table summary=" * 50_000
+    page += "<title " * 50_000 + "<nav " * 50_000
     assert "lentil" in Parser().run(page.encode(), "text/html", "page").markdown
+
+
+def test_deeply_nested_html_keeps_its_text_and_does_not_crash() -> None:
+    # A tree walk in Python fails here with a RecursionError; the converter stops at its depth limit.
+    page = "<p>The sorrel page.</p>" + "<div>" * 100_000 + "deep" + "</div>" * 100_000
+    assert "sorrel" in Parser().run(page.encode(), "text/html", "page").markdown
+
+
+@pytest.mark.parametrize(
+    ("head", "title"),
+    [
+        ("<title>\n  Ports &amp;\tgates\n</title>", "Ports & gates"),
+        ("<TITLE lang='en'>Ports</TITLE>", "Ports"),
+        ("<title></title>", "Harbor"),
+        ("", "Harbor"),
+    ],
+)
+def test_html_title_comes_from_the_title_element_else_the_first_h1(head: str, title: str) -> None:
+    page = f"<html><head>{head}</head><body><h2>Intro</h2><h1>Harbor</h1><p>Port 7411.</p></body></html>"
+    parsed = Parser().run(page.encode(), "text/html", "page")
+    assert parsed.title == title
+    assert "Ports" not in parsed.markdown
 
 
 @pytest.mark.parametrize("media_type", [PDF, DOCX, "text/markdown"])
@@ -250,7 +274,17 @@ def test_html_links_keep_their_text_and_drop_their_targets_and_images() -> None:
         '<div class="sphinxsidebar">Chapter list</div>',
         '<ol class="breadcrumb"><li>Chapter list</li></ol>',
         '<a class="skip-link" href="#main">Chapter list</a>',
+        '<ul class="nav breadcrumbs"><li>Chapter list</li></ul>',
+        '<div class="navheader">Chapter list</div>',
+        '<div class="navfooter">Chapter list</div>',
         '<table summary="Navigation footer"><tr><td>Chapter list</td></tr></table>',
+        '<TABLE class="x" SUMMARY="  NAVIGATION header"><tr><td>Chapter list</td></tr></TABLE>',
+        "<table summary=navigation><tr><td>Chapter list</td></tr></table>",
+        "<aside>Chapter list</aside>",
+        "<noscript>Chapter list</noscript>",
+        # HTML 4 pages write their tags in upper case.
+        "<NAV>Chapter list</NAV><HR>",
+        "<Aside>Chapter list</Aside><HEADER>Chapter list</HEADER><FOOTER>Chapter list</FOOTER>",
     ],
 )
 def test_generated_site_navigation_is_dropped(chrome: str) -> None:
@@ -258,6 +292,18 @@ def test_generated_site_navigation_is_dropped(chrome: str) -> None:
     page = f"<html><body>{chrome}<h1>Ports{anchor}</h1><p>Port 7411.</p></body></html>"
     markdown = Parser().run(page.encode(), "text/html", "page").markdown
     assert markdown == "# Ports\n\nPort 7411."
+
+
+def test_html_that_only_looks_like_navigation_is_kept() -> None:
+    page = (
+        b"<html><body><table summary='Navigational aids'><tr><td>aids</td></tr></table>"
+        b"<table summary='Settings, navigation'><tr><td>settings</td></tr></table>"
+        b"<div class='navheaders'>headers</div><div role='main'>main</div><p data-summary='navigation'>para</p>"
+        b"<header-note>note</header-note></body></html>"
+    )
+    markdown = Parser().run(page, "text/html", "page").markdown
+    for kept in ("aids", "settings", "headers", "main", "para", "note"):
+        assert kept in markdown
 
 
 def test_html_keeps_lists_tables_of_contents_tables_and_code() -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import html
 import io
 import re
-import warnings
 import zipfile
 from dataclasses import dataclass
 from enum import StrEnum
@@ -14,7 +15,7 @@ from ragstream.core.errors import DocumentError
 from ragstream.core.storable import strip_unstorable
 
 if TYPE_CHECKING:
-    from bs4 import BeautifulSoup, Tag
+    from html_to_markdown import ConversionOptions
 
 __all__ = [
     "DOCX",
@@ -49,7 +50,22 @@ _HTML_NOISE = ("script", "style", "head", "nav", "noscript", "aside", "footer", 
 _NAV_CLASSES = frozenset(
     {"navheader", "navfooter", "related", "sphinxsidebar", "headerlink", "skip-link", "breadcrumb", "breadcrumbs"}
 )
-_NAV_SUMMARY = re.compile(r"^\s*navigation\b", re.IGNORECASE)
+# The noise elements and DocBook's navigation tables are dropped by a mark that this pass over the raw
+# page puts on their start tags, not by the converter's selectors: those match a tag name in lower case
+# only (HTML 4 pages often write upper case) and an attribute value in its exact case only, where a
+# navigation table's summary ("Navigation header") is matched in any. A candidate is looked at no
+# further than the end of its own tag, so the pass is linear in the page.
+_HTML_DROPPED = re.compile(
+    rf"<(?:{'|'.join(_HTML_NOISE)})(?=[\s/>])"
+    r"|<table(?=[\s/])(?=[^<>]{0,2000}?[\s\"'/]summary\s*=\s*[\"']?\s*navigation\b)",
+    re.IGNORECASE,
+)
+_DROP_MARK = "data-ragstream-drop"
+_HTML_EXCLUDED = (f"[{_DROP_MARK}]", '[role="navigation"]', *sorted(f".{name}" for name in _NAV_CLASSES))
+# The start of the first ``<title>`` tag, and the end of its text. Bounded, and searched for once each,
+# so a page of unclosed tags costs one scan.
+_HTML_TITLE = re.compile(r"<title(?=[\s/>])[^<>]{0,1000}>", re.IGNORECASE)
+_HTML_TITLE_END = re.compile(r"</title", re.IGNORECASE)
 # Markdown link and image syntax: ``![alt](url "title")``, ``[text](url)``, ``[text][ref]``, raw
 # ``<img>`` tags and the ``[ref]: url`` definitions. Every repetition is bounded, so a line of
 # unclosed brackets costs a constant per character, not a scan to the end of the line per bracket.
@@ -183,59 +199,57 @@ class Parser:
 
     @staticmethod
     def _from_html(text: str, fallback_title: str) -> ParsedDocument:
-        # Imported lazily: BeautifulSoup and markdownify are only for HTML sources.
-        from markdownify import MarkdownConverter
+        # Imported lazily: the converter is only for HTML sources.
+        import html_to_markdown
 
         try:
-            soup = _html_soup(text)
-            title = re.sub(r"\s+", " ", soup.title.get_text()).strip() if soup.title is not None else ""
-            _strip_html_noise(soup)
-            # Links become their text and images nothing: a URL is many tokens of nothing to search by.
-            markdown = MarkdownConverter(heading_style="ATX", strip=["a", "img"]).convert_soup(soup)
-        except Exception as error:  # markdownify raises whatever the tree walk raised (RecursionError, ...)
+            page = _HTML_DROPPED.sub(rf"\g<0> {_DROP_MARK} ", text)
+            markdown = html_to_markdown.convert(page, _html_options()).content or ""
+        except Exception as error:  # the converter's own errors (ConversionError, PanicError, ...) and MemoryError
             raise _unreadable(error, "HTML could not be converted") from error
         markdown = re.sub(r"\n{3,}", "\n\n", markdown).strip()
         if not markdown:
             raise ParseError(ParseErrorCode.EMPTY, "the HTML page has no text")
-        return ParsedDocument(title or _first_h1(markdown) or fallback_title, markdown)
+        return ParsedDocument(_html_title(text) or _first_h1(markdown) or fallback_title, markdown)
 
 
-def _html_soup(text: str) -> BeautifulSoup:
-    """The page's tree from lxml (libxml2): linear in the input, where Python's ``html.parser`` is
-    quadratic on runs of unclosed tags or comments. XHTML pages (an ``<?xml`` declaration first, as
-    DocBook writes them) are read as HTML on purpose: the HTML parser forgives what real pages get
-    wrong, so bs4's advice to switch parsers is not logged for each of them."""
-    from bs4 import BeautifulSoup, XMLParsedAsHTMLWarning
+@functools.cache
+def _html_options() -> ConversionOptions:
+    """How html-to-markdown (a Rust parser and converter, linear in the page and some ten times faster
+    than a Python tree walk) writes a page: the noise and navigation elements dropped with all they hold,
+    and no text the page does not show a reader. Comments, the doctype and processing instructions
+    (``<?xml``, as DocBook writes its XHTML pages) never reach the text. Elements nested deeper than
+    its depth limit (1024) are left out, where a recursive walk would fail the whole page."""
+    from html_to_markdown import ConversionOptions, PreprocessingOptions
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", XMLParsedAsHTMLWarning)
-        return BeautifulSoup(text, "lxml")
+    return ConversionOptions(
+        heading_style="atx",
+        bullets="*+-",
+        # Column-aligning spaces are tokens of nothing to search by.
+        compact_tables=True,
+        # Links become their text and images nothing: a URL is many tokens of nothing to search by.
+        strip_tags=["a"],
+        skip_images=True,
+        # Neither an <abbr>'s title nor a blockquote's cite URL is text the page shows.
+        expand_abbreviations=False,
+        include_blockquote_citations=False,
+        # The title is read by _html_title: the metadata would come as YAML front matter in the text.
+        extract_metadata=False,
+        # Text hidden until the reader opens it (a closed tab, a collapsed section) is still the page's.
+        hidden_content="reachable",
+        # Off: the converter's own clean-up guesses, which drop the text of forms yet keep DocBook's navigation.
+        preprocessing=PreprocessingOptions(enabled=False),
+        exclude_selectors=list(_HTML_EXCLUDED),
+    )
 
 
-def _strip_html_noise(soup: BeautifulSoup) -> None:
-    """Remove, in place, what is not the page's text: the noise elements, comments, doctype and
-    processing instructions."""
-    from bs4 import Comment, Declaration, Doctype, ProcessingInstruction
-
-    for element in soup.find_all(_HTML_NOISE):
-        element.decompose()
-    for element in soup.find_all(_is_navigation):
-        if not element.decomposed:  # inside a navigation element removed just before
-            element.decompose()
-    for node in soup.find_all(
-        string=lambda node: isinstance(node, Comment | Declaration | Doctype | ProcessingInstruction)
-    ):
-        node.extract()
-
-
-def _is_navigation(element: Tag) -> bool:
-    classes = element.get("class") or ()
-    if any(name in _NAV_CLASSES for name in classes):
-        return True
-    if element.get("role") == "navigation":
-        return True
-    summary = element.get("summary")
-    return element.name == "table" and isinstance(summary, str) and bool(_NAV_SUMMARY.match(summary))
+def _html_title(text: str) -> str:
+    """The text of the page's first ``<title>``, entities decoded and whitespace collapsed, or ""."""
+    start = _HTML_TITLE.search(text)
+    end = _HTML_TITLE_END.search(text, start.end()) if start is not None else None
+    if start is None or end is None:
+        return ""
+    return re.sub(r"\s+", " ", html.unescape(text[start.end() : end.start()])).strip()
 
 
 def clean_markdown(markdown: str) -> str:
@@ -321,7 +335,7 @@ def unwrap_lines(text: str) -> str:
 
 def _from_pdf(content: bytes, fallback_title: str) -> ParsedDocument:
     """The text layer of every page; a scan without one is empty, not garbage from an OCR guess."""
-    # Imported lazily, like markdownify: only PDF sources need pypdf.
+    # Imported lazily, like the HTML converter: only PDF sources need pypdf.
     from pypdf import PdfReader
 
     try:

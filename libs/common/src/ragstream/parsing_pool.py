@@ -10,15 +10,19 @@ and a payload::
     reply     JSON {"title"} or {"code", "message"} (a ParseError), then the Markdown (UTF-8)
 
 A worker over the wall-time budget is killed (``parse_timeout``); one out of memory answers
-``parse_memory`` and exits; one that dies otherwise is ``parse_crashed``. The pool starts a new one
-in its place on the next parse, and keeps the others warm.
+``parse_memory`` and exits, or, when the allocation failed in Rust code (the HTML converter), which
+aborts the process instead of raising ``MemoryError``, dies after saying so on its stderr, which is
+``parse_memory`` too; one that dies otherwise is ``parse_crashed``. The pool starts a new one in its
+place on the next parse, and keeps the others warm.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import json
+import re
 import resource
 import struct
 import sys
@@ -31,6 +35,8 @@ __all__ = ["ParserPool"]
 _LENGTH = struct.Struct(">Q")
 _CLOSE_GRACE_S = 5.0
 _START_TIMEOUT_S = 60.0
+# What Rust's default allocation error handler prints before it aborts the process.
+_RUST_ALLOCATION_FAILED = re.compile(r"memory allocation of \d+ bytes failed")
 
 
 class _Worker:
@@ -38,6 +44,20 @@ class _Worker:
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self._process = process
+        self.out_of_memory = False
+        assert process.stderr is not None  # a pipe
+        self._stderr = asyncio.create_task(self._forward_stderr(process.stderr))
+
+    async def _forward_stderr(self, stream: asyncio.StreamReader) -> None:
+        """Copy the worker's stderr to ours, watching for what Rust says before it aborts the process
+        on a failed allocation. Read in chunks, not lines: a library may write a line of any length."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        tail = ""  # the end of the previous chunk, for a message split between two
+        while chunk := await stream.read(1 << 16):
+            text = decoder.decode(chunk)
+            sys.stderr.write(text)
+            self.out_of_memory = self.out_of_memory or _RUST_ALLOCATION_FAILED.search(tail + text) is not None
+            tail = text[-64:]
 
     @classmethod
     async def start(cls, parser: Parser, memory_mb: int) -> _Worker:
@@ -53,6 +73,7 @@ class _Worker:
             str(memory_mb),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         worker = cls(process)
         assert process.stdout is not None
@@ -86,7 +107,14 @@ class _Worker:
         """Kill the process now; its exit status (negative: the signal)."""
         if self._process.returncode is None:
             self._process.kill()
-        return await self._process.wait()
+        return await self._wait()
+
+    async def _wait(self) -> int:
+        """The exit status, once the process and the copy of its stderr have both ended."""
+        status = await self._process.wait()
+        # Shielded: a close that times out here must not cancel the copy, which kill then awaits.
+        await asyncio.shield(self._stderr)
+        return status
 
     async def close(self) -> None:
         """Let the process finish on the end of its input; kill it if it does not."""
@@ -95,7 +123,7 @@ class _Worker:
             stdin.close()
         try:
             async with asyncio.timeout(_CLOSE_GRACE_S):
-                await self._process.wait()
+                await self._wait()
         except TimeoutError:
             await self.kill()
 
@@ -168,6 +196,10 @@ class ParserPool:
             status = await worker.kill()
             if self._closed:  # stopped by aclose, not by the document
                 raise RuntimeError("the parser pool closed during the parse") from error
+            if worker.out_of_memory:
+                raise ParseError(
+                    ParseErrorCode.PARSE_MEMORY, f"parsing needs more than {self._memory_mb} MB"
+                ) from error
             raise ParseError(ParseErrorCode.PARSE_CRASHED, f"the parser process died (exit status {status})") from error
 
     async def _discard(self, worker: _Worker | None) -> None:
@@ -207,9 +239,8 @@ def _serve(max_bytes: int, max_unpacked_bytes: int, memory_mb: int) -> None:
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a library's stray print must not corrupt the replies
     # Imported now, not on the first document: the warm worker parses at once.
-    import bs4  # noqa: F401
     import docx  # noqa: F401
-    import markdownify  # noqa: F401
+    import html_to_markdown  # noqa: F401
     import pypdf  # noqa: F401
 
     parser = Parser(max_bytes, max_unpacked_bytes)
