@@ -1,6 +1,6 @@
 """Same-language and cross-lingual search on the bundled knowledge base, for a space and its fusions.
 
-    .venv/bin/python -m bench.cross_lingual --provider bilingual --fusions '[{"kind": "rrf", "k": 10}]'
+    .venv/bin/python -m bench.cross_lingual --provider bilingual-pair --fusions '[{"kind": "rrf", "k": 10}]'
 
 Syncs ``examples/knowledge-base`` (18 English and 18 Chinese pages) into a private embedded PostgreSQL
 with the given embedding provider, then, for each fusion in turn (set as the space's own, as ``PUT
@@ -75,7 +75,7 @@ async def measure(dsn: str, provider: str, fusions: list[dict[str, object]]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--provider", default="bilingual", help="the embedding provider (RAGSTREAM_EMBEDDER_PROVIDER)")
+    parser.add_argument("--provider", default="bilingual-pair", help="the embedding provider (RAGSTREAM_EMBEDDER_PROVIDER)")
     parser.add_argument("--fusions", required=True, help="a JSON list of fusions, as PUT /v1/spaces/.../fusion takes")
     args = parser.parse_args()
     with (

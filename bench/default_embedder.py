@@ -43,9 +43,9 @@ import numpy as np
 from bench.keyword_exactness import ingest as commit_keyword_corpus
 from bench.quality import Query, Run, answers_of, database, load_data, paired_difference, score
 from ragstream.core.search import SearchFilters
-from ragstream.core.vectors import BILINGUAL_MODEL_KEY
+from ragstream.core.vectors import BILINGUAL_PAIR_MODEL_KEY, vector_blocks
 from ragstream.embedding.base import Embedder
-from ragstream.embedding.bilingual import is_chinese
+from ragstream.embedding.bilingual import BGE_MODELS, is_chinese
 from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.embedding.onnx import OnnxEmbedder
 from ragstream.retrieval.fusion import (
@@ -73,9 +73,9 @@ RRF_K = (1, 5, 10, 20, 30, 60, 100)
 RRF_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)  # of each vector leg; keyword 1
 CONVEX_WEIGHTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 DBSF_SHARES = tuple(round(share / 20, 2) for share in range(21))  # each leg's share, in twentieths
-CANDIDATES = {"en": ["bge-small-en-v1.5", "use"], "zh": ["bge-small-zh-v1.5", "use"]}
+CANDIDATES = {"en": ["bge-small-en-v1.5", "bge-small-en", "use"], "zh": ["bge-small-zh-v1.5", "bge-small-zh", "use"]}
 """The models measured per language unless ``--models`` names others (e.g. ``bge-small-zh-v1.5-fp32``);
-"use" is the local USE, the others BGE (onnx)."""
+"use" is the local USE, the others BGE (onnx): v1.5 and v1 of the language, the default space's BGE blocks."""
 PLAIN = " (query without instruction)"
 
 
@@ -101,11 +101,6 @@ class Legs:
                 rows.append([(chunk_ids[index], float(matrix[query, index])) for index in ordered])
             vector[model] = rows
         return cls(chunk_ids, keyword, cosines, vector)
-
-    @property
-    def bge(self) -> str:
-        """The BGE model measured: the language's, or the one ``--models`` named."""
-        return next(model for model in self.cosines if model != "use")
 
     def vector_leg(self, model: str, query: int) -> list[tuple[str, float]]:
         return self.vector[model][query]
@@ -290,16 +285,20 @@ async def language(lang: str, base_dsn: str, args: argparse.Namespace) -> dict[s
 def shipped_default(
     lang: str, legs: Legs, queries: Sequence[Query], answer_of: dict[str, str], chinese: dict[str, bool]
 ) -> dict[str, Any]:
-    """The bilingual space's measured fusion exactly as the retriever applies it: the fusion of the query's
-    language, RRF over the keyword leg and both blocks' legs, the USE leg's hits in the other language than
-    the query's at their own weight."""
-    shipped = MEASURED_FUSION[BILINGUAL_MODEL_KEY]
+    """The default space's measured fusion exactly as the retriever applies it: the fusion of the query's
+    language over the keyword leg and every block's leg (the block's BGE model of ``lang``, USE), the USE
+    leg's hits in the other language than the query's at their own weight."""
+    shipped = MEASURED_FUSION[BILINGUAL_PAIR_MODEL_KEY]
+    side = 0 if lang == "zh" else 1
+    models = {block.name: "use" for block in vector_blocks(BILINGUAL_PAIR_MODEL_KEY)}
+    for block, pair in zip(vector_blocks(BILINGUAL_PAIR_MODEL_KEY), BGE_MODELS[BILINGUAL_PAIR_MODEL_KEY], strict=False):
+        models[block.name] = pair[side]
 
     def rank(query: int) -> list[str]:
         fusion = shipped.for_query(queries[query].text)
         assert isinstance(fusion, RrfFusion | DistributionFusion)
         asked_in_chinese = is_chinese(queries[query].text)
-        rankings = {"bge": legs.vector_leg(legs.bge, query), "use": legs.vector_leg("use", query)}
+        rankings = {name: legs.vector_leg(model, query) for name, model in models.items()}
         across = [
             {chunk: fusion.cross_language_weights[name] for chunk, _ in hits if chinese[chunk] != asked_in_chinese}
             if name in fusion.cross_language_weights
@@ -308,7 +307,7 @@ def shipped_default(
         ]
         weights = [fusion.weight_of(name) for name in rankings]
         if isinstance(fusion, DistributionFusion):
-            fused = fuse_distributions(legs, query, [legs.bge, "use"], fusion.keyword_weight, weights, across)
+            fused = fuse_distributions(legs, query, list(models.values()), fusion.keyword_weight, weights, across)
         else:
             fused = reciprocal_rank_fusion(
                 [[chunk for chunk, _ in hits] for hits in rankings.values()]
@@ -358,6 +357,9 @@ def score_language(
     families = [[model] for model in models] + [
         [model, "use"] for model in models if model != "use" and "use" in models
     ]
+    bge = [model for model in models if model != "use" and not model.endswith(PLAIN)]
+    if len(bge) > 1:  # the default space's blocks: both BGE generations, then with USE
+        families += [bge] + ([[*bge, "use"]] if "use" in models else [])
     for family in families:
         for name in ("rrf", "convex", "dbsf"):
             rank = candidates(name, legs, family)
@@ -396,26 +398,33 @@ def score_language(
         f"vector leg, {leg}" if leg else "keyword leg": paired_difference(
             shipped["held_out"]["run"], baselines[leg]["run"], held
         )
-        for leg in (None, legs.bge, "use")
+        for leg in (None, *bge, "use")
         if leg in baselines
     }
     report["rows"].append(shipped)
     return report
 
 
-def space_fusion(row: dict[str, Any]) -> dict[str, Any] | None:
-    """The bilingual space's fusion for a three-leg row (keyword + BGE + USE), as ``PUT
-    /v1/spaces/{model_key}/fusion`` takes it: the BGE model's leg is the ``bge`` block's."""
+def space_fusion(row: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The default space and its fusion for a row of all its legs (keyword + BGE v1.5 + BGE v1 + USE), as
+    ``PUT /v1/spaces/{model_key}/fusion`` takes it: the row's models in the order of the space's blocks."""
     point, family = row.get("point"), row.get("family")
-    if point is None or family is None or len(family) != 2 or family[1] != "use":
+    blocks = [block.name for block in vector_blocks(BILINGUAL_PAIR_MODEL_KEY)]
+    if point is None or family is None or len(family) != len(blocks) or family[-1] != "use":
         return None
     if row["kind"] == "rrf":
-        k, keyword, bge, use = point
-        return {"kind": "rrf", "k": int(k), "keyword_weight": keyword, "block_weights": {"bge": bge, "use": use}}
-    keyword, bge, use = point
-    if row["kind"] == "dbsf":
-        return {"kind": "dbsf", "keyword_weight": keyword, "block_weights": {"bge": bge, "use": use}}
-    return {"kind": "convex", "alpha": keyword, "block_weights": {"bge": bge, "use": use}}
+        k, keyword, *weights = point
+        fusion = {
+            "kind": "rrf",
+            "k": int(k),
+            "keyword_weight": keyword,
+            "block_weights": dict(zip(blocks, weights, strict=True)),
+        }
+    else:
+        keyword, *weights = point
+        share = {"keyword_weight": keyword} if row["kind"] == "dbsf" else {"alpha": keyword}
+        fusion = {"kind": row["kind"], **share, "block_weights": dict(zip(blocks, weights, strict=True))}
+    return BILINGUAL_PAIR_MODEL_KEY, fusion
 
 
 def print_table(reports: list[dict[str, Any]]) -> None:
@@ -432,8 +441,8 @@ def print_table(reports: list[dict[str, Any]]) -> None:
         )
         print("|---|---|---|---|---|---|")
         for row in report["rows"]:
-            if (fusion := space_fusion(row)) is not None:
-                print(f"  PUT /v1/spaces/{BILINGUAL_MODEL_KEY}/fusion {json.dumps(fusion)}")
+            if (put := space_fusion(row)) is not None:
+                print(f"  PUT /v1/spaces/{put[0]}/fusion {json.dumps(put[1])}")
         for row in report["rows"]:
             versus = "; ".join(
                 f"{label}: {d['ndcg@10_gain']:+.4f} [{d['ci95_low']:+.3f}, {d['ci95_high']:+.3f}]"

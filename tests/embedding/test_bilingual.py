@@ -1,6 +1,6 @@
-"""The default bilingual embedder: BGE of each text's language beside USE as two blocks of one vector,
-two HNSW indexes, two vector legs; a sync and search of the bundled knowledge base in both languages
-and across them."""
+"""The default bilingual embedder: BGE small v1.5 and v1 of each text's language beside USE as three blocks
+of one vector, three HNSW indexes, three vector legs; a sync and search of the bundled knowledge base in
+both languages and across them. The previous default (one BGE block) still builds for its stored spaces."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ragstream.connectors.folder import FolderConnector
-from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BLOCKS
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BILINGUAL_PAIR_MODEL_KEY, BLOCKS
 from ragstream.embedding import create_embedder
-from ragstream.embedding.bilingual import BilingualEmbedder, is_chinese
+from ragstream.embedding.bilingual import BilingualEmbedder, LanguageModels, is_chinese
 from ragstream.embedding.local import LocalUSEEmbedder
 from ragstream.embedding.onnx import OnnxEmbedder
 from ragstream.retrieval import SearchFilters, SearchRequest
@@ -30,10 +30,15 @@ MODEL_DIR = REPOSITORY / ".cache" / "models"
 KNOWLEDGE_BASE = REPOSITORY / "examples" / "knowledge-base"
 
 
-def test_the_default_embedder_is_the_bilingual_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_embedder_is_the_bilingual_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAGSTREAM_EMBEDDER_PROVIDER", raising=False)  # the suite's own choice, not the default
     embedder = create_embedder(EmbeddingSettings(model_dir=MODEL_DIR))
     assert isinstance(embedder, BilingualEmbedder)
+    assert (embedder.model_key, embedder.dimension) == (BILINGUAL_PAIR_MODEL_KEY, 1536)
+
+
+def test_the_previous_default_still_builds_the_space_it_stored() -> None:
+    embedder = create_embedder(EmbeddingSettings(provider="bilingual", model_dir=MODEL_DIR))
     assert (embedder.model_key, embedder.dimension) == (BILINGUAL_MODEL_KEY, 1024)
 
 
@@ -46,28 +51,38 @@ def test_a_text_is_chinese_when_its_han_characters_outweigh_its_latin_letters() 
     assert not is_chinese("")
 
 
-async def test_each_text_gets_the_bge_model_of_its_language_and_use_in_its_own_block() -> None:
-    use, chinese, english = (
-        LocalUSEEmbedder(),
-        OnnxEmbedder("bge-small-zh-v1.5", MODEL_DIR),
-        OnnxEmbedder("bge-small-en-v1.5", MODEL_DIR),
-    )
-    embedder = BilingualEmbedder(use, chinese, english)
+async def test_each_text_gets_the_bge_models_of_its_language_and_use_each_in_its_own_block() -> None:
+    use = LocalUSEEmbedder()
+    generations = [
+        LanguageModels(OnnxEmbedder(chinese, MODEL_DIR), OnnxEmbedder(english, MODEL_DIR))
+        for chinese, english in (("bge-small-zh-v1.5", "bge-small-en-v1.5"), ("bge-small-zh", "bge-small-en"))
+    ]
+    embedder = BilingualEmbedder(use, *generations, model_key=BILINGUAL_PAIR_MODEL_KEY)
     texts = ["婚假可以休几天？", "How many days of marriage leave can I take?"]
 
     vectors = await embedder.embed(texts, "query")
 
-    bge, use_block = BLOCKS[BILINGUAL_MODEL_KEY]
-    assert vectors.shape == (2, embedder.dimension) == (2, 1024)
+    *bge_blocks, use_block = BLOCKS[BILINGUAL_PAIR_MODEL_KEY]
+    assert vectors.shape == (2, embedder.dimension) == (2, 1536)
     assert np.linalg.norm(vectors, axis=1) == pytest.approx([1.0, 1.0], abs=1e-5)
-    scale = math.sqrt(2.0)
-    np.testing.assert_allclose(bge.of(vectors)[0] * scale, (await chinese.embed(texts[:1], "query"))[0], atol=1e-5)
-    np.testing.assert_allclose(
-        bge.of(vectors)[1][:384] * scale, (await english.embed(texts[1:], "query"))[0], atol=1e-5
-    )
-    assert not bge.of(vectors)[1][384:].any()  # BGE small en is 384-d: the rest of its block stays 0
+    scale = math.sqrt(3.0)
+    for block, models in zip(bge_blocks, generations, strict=True):
+        chinese = (await models.chinese.embed(texts[:1], "query"))[0]
+        english = (await models.english.embed(texts[1:], "query"))[0]
+        np.testing.assert_allclose(block.of(vectors)[0] * scale, chinese, atol=1e-5)
+        np.testing.assert_allclose(block.of(vectors)[1][:384] * scale, english, atol=1e-5)
+        assert not block.of(vectors)[1][384:].any()  # BGE small en is 384-d: the rest of its block stays 0
+    first, second = (block.of(vectors)[0] for block in bge_blocks)
+    assert float(first @ second) * 3 < 0.9  # two models, two views of the same question
     np.testing.assert_allclose(use_block.of(vectors) * scale, await use.embed(texts, "query"), atol=1e-5)
     await embedder.aclose()
+
+
+def test_a_bilingual_space_takes_as_many_bge_generations_as_it_has_blocks() -> None:
+    models = LanguageModels(OnnxEmbedder("bge-small-zh-v1.5", MODEL_DIR), OnnxEmbedder("bge-small-en-v1.5", MODEL_DIR))
+    with pytest.raises(ValueError, match="2 BGE blocks, not 1"):
+        BilingualEmbedder(LocalUSEEmbedder(), models, model_key=BILINGUAL_PAIR_MODEL_KEY)
+    assert BilingualEmbedder(LocalUSEEmbedder(), models, model_key=BILINGUAL_MODEL_KEY).dimension == 1024
 
 
 def _queries(name: str) -> list[dict[str, str]]:
@@ -75,26 +90,26 @@ def _queries(name: str) -> list[dict[str, str]]:
 
 
 async def test_the_bundled_knowledge_base_is_found_in_each_language_and_across_them(database_url: str) -> None:
-    """Every sample query (15 English, 15 Chinese) finds its page in the top 10 with the bilingual space,
-    whose two block indexes exist, and so do at least 24 of the 26 cross-lingual ones (a Chinese question
+    """Every sample query (15 English, 15 Chinese) finds its page in the top 10 with the default space,
+    whose three block indexes exist, and so do at least 24 of the 26 cross-lingual ones (a Chinese question
     for an English page and the reverse; 26 when measured, 9 for the USE space at its own fusion): only the
     USE block finds those, and the space's fusion weighs its hits in the other language high."""
-    embedding = EmbeddingSettings(provider="bilingual", model_dir=MODEL_DIR)
+    embedding = EmbeddingSettings(provider="bilingual-pair", model_dir=MODEL_DIR)
     async with private_database(database_url) as dsn, open_runtime(Settings(embedding=embedding), dsn) as runtime:
         connector = FolderConnector(KNOWLEDGE_BASE)
         report = await runtime.pipeline().sync(connector)
         assert report.ok, report.failures
         table = await runtime.pool.fetchval(
-            "SELECT table_name FROM embedding_spaces WHERE model_key = $1", BILINGUAL_MODEL_KEY
+            "SELECT table_name FROM embedding_spaces WHERE model_key = $1", BILINGUAL_PAIR_MODEL_KEY
         )
         indexes = await runtime.pool.fetch("SELECT indexdef FROM pg_indexes WHERE tablename = $1", table)
-        assert sorted(row["indexdef"].count("subvector(embedding") for row in indexes) == [0, 1, 1]  # pkey, 2 blocks
+        assert sorted(row["indexdef"].count("subvector(embedding") for row in indexes) == [0, 1, 1, 1]  # 3 blocks
 
         async def found(query: dict[str, str]) -> bool:
             response = await runtime.retriever.search(
                 SearchRequest(query=query["query"], filters=SearchFilters(connection_ids=[connector.connection_id]))
             )
-            assert response.embedding_spaces == [BILINGUAL_MODEL_KEY]
+            assert response.embedding_spaces == [BILINGUAL_PAIR_MODEL_KEY]
             return query["expected_source"] in [result.source for result in response.results]
 
         same_language = [query["id"] for query in _queries("sample-queries.jsonl") if not await found(query)]

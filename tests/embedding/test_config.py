@@ -38,7 +38,7 @@ def test_every_provider_of_the_settings_has_a_config_and_no_other() -> None:
 def test_the_readme_table_lists_every_provider_and_no_other() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     table = readme.split("| `provider` |", 1)[1].split("\n\n", 1)[0]
-    assert set(re.findall(r"^\| `(\w+)`", table, re.MULTILINE)) == PROVIDERS
+    assert set(re.findall(r"^\| `([\w-]+)`", table, re.MULTILINE)) == PROVIDERS
 
 
 @pytest.mark.parametrize(

@@ -239,3 +239,17 @@ def test_an_item_of_a_ranking_can_weigh_more_than_its_ranking() -> None:
     )
     with pytest.raises(ValueError, match="one weight per ranking"):
         reciprocal_rank_fusion(rankings, item_weights=[{}])
+
+
+def test_a_block_leg_runs_only_when_it_can_move_the_fused_order() -> None:
+    """A block weighing 0 is not searched, unless its hits in the other language than the query's weigh."""
+    fusion = DistributionFusion(keyword_weight=0.35, block_weights={"bge": 0.65, "bge_v1": 0.0, "use": 0.0})
+    assert (fusion.uses("bge"), fusion.uses("bge_v1"), fusion.uses("use"), fusion.uses(VECTOR)) == (
+        True,
+        False,
+        False,
+        True,
+    )
+    across = fusion.model_copy(update={"cross_language_weights": {"use": 1.0}})
+    assert across.uses("use") and not across.uses("bge_v1")
+    assert not ConvexFusion(alpha=0.5, block_weights={"use": 0.0}).uses("use")

@@ -12,7 +12,7 @@ import pytest
 from ragstream.api.http import create_app
 from ragstream.api.spaces import spaces_router
 from ragstream.connectors.folder import FolderConnector
-from ragstream.core.vectors import BILINGUAL_MODEL_KEY, vector_blocks
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BILINGUAL_PAIR_MODEL_KEY, vector_blocks
 from ragstream.retrieval import HybridRetriever, SearchFilters, SearchRequest
 from ragstream.retrieval.fusion import (
     DEFAULT_FUSION,
@@ -57,13 +57,14 @@ def test_a_space_fuses_with_its_own_then_the_operators_then_the_measured_weights
     assert effective_fusion(model_key, stored, chosen) == expected
 
 
-def test_the_bilingual_space_fuses_each_query_by_its_language() -> None:
-    measured = MEASURED_FUSION[BILINGUAL_MODEL_KEY]
+@pytest.mark.parametrize("model_key", [BILINGUAL_PAIR_MODEL_KEY, BILINGUAL_MODEL_KEY])
+def test_the_bilingual_spaces_fuse_each_query_by_its_language(model_key: str) -> None:
+    measured = MEASURED_FUSION[model_key]
     assert isinstance(measured, QueryLanguageFusion)
     assert measured.for_query("婚假可以休几天？") is measured.chinese
     assert measured.for_query("How many days of marriage leave?") is measured.other
     assert measured.chinese != measured.other
-    assert measured.blocks_named() == {block.name for block in vector_blocks(BILINGUAL_MODEL_KEY)}
+    assert measured.blocks_named() == {block.name for block in vector_blocks(model_key)}
 
 
 def test_the_operators_fusion_counts_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -501,13 +501,13 @@ def run_distributed(
 
 @app.command()
 def models() -> None:
-    """Print the Maven coordinates of the BGE models the bilingual embedder runs, one per line: ``make
+    """Print the Maven coordinates of the BGE models the bilingual embedders run, one per line: ``make
     models`` fetches each with ``mvn dependency:get``, and the embedder unpacks it from the local Maven
     repository instead of downloading it on first use."""
-    from ragstream.embedding.bilingual import BGE_MODELS
+    from ragstream.embedding.bilingual import bge_model_names
     from ragstream.embedding.onnx import MODELS
 
-    for name in BGE_MODELS:
+    for name in bge_model_names():
         typer.echo(MODELS[name].coordinates)
 
 

@@ -229,19 +229,20 @@ class SearchLimitsSettings(BaseSettings):
     ] = 10.0
 
 
-EmbeddingProvider = Literal["local", "bilingual", "onnx", "dashscope", "openai"]
-"""``bilingual`` (default): BGE small of each text's language beside USE; ``local``: USE alone; ``onnx``: one
-BGE model; ``dashscope`` and ``openai``: remote, with a key."""
+EmbeddingProvider = Literal["local", "bilingual-pair", "bilingual", "onnx", "dashscope", "openai"]
+"""``bilingual-pair`` (default): BGE small v1.5 and v1 of each text's language beside USE; ``bilingual``: the
+previous default, without v1; ``local``: USE alone; ``onnx``: one BGE model; ``dashscope`` and ``openai``:
+remote, with a key."""
 
 
 class EmbeddingSettings(BaseSettings):
-    """Which embedder runs: ``bilingual`` (the default: BGE small zh or en by each text's language, beside
-    USE) and ``onnx`` (one BGE model) take their models from Maven Central once, ``local`` (USE) needs no
-    network, ``dashscope`` and ``openai`` need a key."""
+    """Which embedder runs: ``bilingual-pair`` (the default: BGE small zh or en v1.5 and v1 by each text's
+    language, beside USE), ``bilingual`` (the same without v1) and ``onnx`` (one BGE model) take their models
+    from Maven Central once, ``local`` (USE) needs no network, ``dashscope`` and ``openai`` need a key."""
 
     model_config = SettingsConfigDict(env_prefix="RAGSTREAM_EMBEDDER_")
 
-    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")] = "bilingual"
+    provider: Annotated[EmbeddingProvider, Field(title="Embedding provider")] = "bilingual-pair"
     model: Annotated[str | None, Field(title="Model name", description="Provider default when unset.")] = None
     dimension: Annotated[int | None, Field(title="Vector dimension", description="Provider default when unset.")] = None
     base_url: Annotated[VendorUrl, Field(title="Endpoint base URL")] = None

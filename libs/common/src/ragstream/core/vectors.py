@@ -8,7 +8,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BILINGUAL_MODEL_KEY", "BLOCKS", "Block", "TextKind", "Vectors", "vector_blocks"]
+__all__ = ["BILINGUAL_MODEL_KEY", "BILINGUAL_PAIR_MODEL_KEY", "BLOCKS", "Block", "TextKind", "Vectors", "vector_blocks"]
 
 TextKind = Literal["document", "query"]
 """``document``: a chunk being indexed; ``query``: a question being searched (some models embed them differently)."""
@@ -41,10 +41,14 @@ class Block:
 
 
 BILINGUAL_MODEL_KEY = "bilingual-bge-small-use-1024"
-"""The default space: BGE small of the text's language (zh or en) beside USE multilingual v3."""
+"""The previous default space: BGE small v1.5 of the text's language (zh or en) beside USE multilingual v3."""
+
+BILINGUAL_PAIR_MODEL_KEY = "bilingual-bge-small-pair-use-1536"
+"""The default space: two generations of BGE small of the text's language (v1.5 and v1) beside USE."""
 
 BLOCKS: dict[str, tuple[Block, ...]] = {
     BILINGUAL_MODEL_KEY: (Block("bge", 1, 512), Block("use", 513, 512)),
+    BILINGUAL_PAIR_MODEL_KEY: (Block("bge", 1, 512), Block("bge_v1", 513, 512), Block("use", 1025, 512)),
 }
 """The model keys whose vectors are made of blocks searched apart; every other space is one block."""
 

