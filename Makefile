@@ -19,7 +19,7 @@ install: $(BIN)/ragstream
 system-deps:
 	bash scripts/install-system-deps.sh
 
-# The BGE models of the bilingual embedder (the default), from Maven Central into Maven's local repository,
+# The BGE models of the bilingual embedders (the default), from Maven Central into Maven's local repository,
 # where the embedder finds them (SHA-256 pinned): nothing is downloaded at run time. make run, make test
 # and make run-distributed run it.
 models: install system-deps

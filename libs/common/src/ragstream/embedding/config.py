@@ -135,7 +135,7 @@ class OnnxEmbedding(_Provider):
 
     provider: Annotated[Literal["onnx"], Field(title="Embedding provider")] = "onnx"
     model: Annotated[
-        str | None, Field(title="Model name", description=f"A BGE v1.5 model; unset: {ONNX_DEFAULT_MODEL}.")
+        str | None, Field(title="Model name", description=f"A BGE small model; unset: {ONNX_DEFAULT_MODEL}.")
     ] = None
 
     @field_validator("model")
