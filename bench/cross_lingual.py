@@ -75,7 +75,9 @@ async def measure(dsn: str, provider: str, fusions: list[dict[str, object]]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--provider", default="bilingual-pair", help="the embedding provider (RAGSTREAM_EMBEDDER_PROVIDER)")
+    parser.add_argument(
+        "--provider", default="bilingual-pair", help="the embedding provider (RAGSTREAM_EMBEDDER_PROVIDER)"
+    )
     parser.add_argument("--fusions", required=True, help="a JSON list of fusions, as PUT /v1/spaces/.../fusion takes")
     args = parser.parse_args()
     with (
