@@ -173,6 +173,27 @@ def test_ingest_edit_delete_through_kafka(
     ]
 
 
+def test_html_is_cleaned_the_same_way_through_kafka(services: dict[str, ServiceProcess], tmp_path: Path) -> None:
+    """The chunker service converts HTML with the parser the embedded pipeline runs: the page's title,
+    its headings and text and its links' text, without navigation, scripts or link targets."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "harbor.html").write_text(
+        "<html><head><title>Harbor  guide</title><script>var tracker = 1;</script></head><body>"
+        "<nav>Chapter list</nav><h1>Harbor</h1><h2>Ports</h2>"
+        '<p>The wharfgate listens on port 7411, see <a href="ports.html#tcp">the port table</a>.</p>'
+        '<img src="diagram.png" alt="diagram"></body></html>'
+    )
+    trigger_sync(services["connector-fetcher"], folder)
+    wait_until(lambda: found(services["retriever"], folder, "wharfgate") == ["harbor.html"], what="page indexed")
+    result = search(services["retriever"], folder, "wharfgate port")[0]
+    assert result["title"] == "Harbor guide" and str(result["heading"]).startswith("Harbor")
+    text = str(result["text"])
+    assert "The wharfgate listens on port 7411, see the port table." in text
+    for dropped in ("Chapter list", "tracker", "ports.html", "diagram.png", "]("):
+        assert dropped not in text
+
+
 def connection_status(fetcher: ServiceProcess, connection_id: str) -> dict[str, Any]:
     """The connection's latest sync once it is no longer queued or syncing."""
     deadline = time.monotonic() + 90
