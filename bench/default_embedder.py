@@ -8,17 +8,20 @@ The answers are chunked and committed as ``bench/keyword_exactness.py`` does (on
 placeholder vectors), and the keyword leg (``SearchStore.keyword_leg``, the shipped BM25, top 30) runs
 for the first 1,000 ``valid`` queries. Every committed chunk's embedding input (``embedding_input``: the
 title, heading path and text, as ingest embeds it) is then embedded by each candidate model, and the
-queries too (``kind="query"``): the local USE multilingual v3 and the offline BGE small model of the
-language (``bge-small-en-v1.5`` / ``bge-small-zh-v1.5``, what a language-routed pair gives a corpus in
-one language). Vectors are cached in ``--data-dir``, so a second run only scores. Each vector leg is
-the exact top 30 by cosine (HNSW finds 97-99 % of it at ``ef_search`` 100, docs/retrieval-quality.md).
+queries too (``kind="query"``): the local USE multilingual v3 and the offline BGE small models of the
+language, v1.5 and v1 (``bge-small-zh-v1.5`` and ``bge-small-zh``, or the ``-en`` ones: what the
+language-routed default space gives a corpus in one language). Vectors are cached in ``--data-dir``, so a
+second run only scores. Each vector leg is the exact top 30 by cosine (HNSW finds 97-99 % of it at
+``ef_search`` 100, docs/retrieval-quality.md).
 
 Scored per answer (nDCG@10 and Recall@10, a query's relevant answers from the judgments) for each leg,
-each two-leg fusion and the three-leg fusions (keyword + BGE + USE): RRF over a grid of k and weights
-and convex combinations of the legs' scores (BM25 over its best, cosines as they are), every grid
-point on queries 1-500; the best point per fusion family, chosen there, is reported on queries
-501-1,000 with its paired bootstrap difference against each of its legs. Also printed: embedding
-throughput per model on this machine (texts/s and characters/s of the whole pass) and the load.
+each fusion of the keyword leg with one vector leg, with a BGE leg and USE, with both BGE legs and with
+all of them: RRF over a grid of k and weights, convex combinations of the legs' scores (BM25 over its
+best, cosines as they are) and distribution-based fusion, every grid point on queries 1-500; the best
+point per fusion family, chosen there, is reported on queries 501-1,000 with its paired bootstrap
+difference against each of its legs, and so is the default space's measured fusion as the retriever
+applies it. Also printed: embedding throughput per model on this machine (texts/s and characters/s of
+the whole pass) and the load.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ CONVEX_WEIGHTS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 DBSF_SHARES = tuple(round(share / 20, 2) for share in range(21))  # each leg's share, in twentieths
 CANDIDATES = {"en": ["bge-small-en-v1.5", "bge-small-en", "use"], "zh": ["bge-small-zh-v1.5", "bge-small-zh", "use"]}
 """The models measured per language unless ``--models`` names others (e.g. ``bge-small-zh-v1.5-fp32``);
-"use" is the local USE, the others BGE (onnx): v1.5 and v1 of the language, the default space's BGE blocks."""
+"use" is the local USE, the others BGE (onnx): v1.5 and v1 of the language (the default space embeds Chinese
+texts with both, English ones with v1.5 only)."""
 PLAIN = " (query without instruction)"
 
 

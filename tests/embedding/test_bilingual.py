@@ -1,5 +1,5 @@
-"""The default bilingual embedder: BGE small v1.5 and v1 of each text's language beside USE as three blocks
-of one vector, three HNSW indexes, three vector legs; a sync and search of the bundled knowledge base in
+"""The default bilingual embedder: BGE small v1.5 of each text's language and BGE small zh v1 beside USE as
+three blocks of one vector, three HNSW indexes, three vector legs; a sync and search of the bundled knowledge base in
 both languages and across them. The previous default (one BGE block) still builds for its stored spaces."""
 
 from __future__ import annotations

@@ -230,15 +230,16 @@ class SearchLimitsSettings(BaseSettings):
 
 
 EmbeddingProvider = Literal["local", "bilingual-pair", "bilingual", "onnx", "dashscope", "openai"]
-"""``bilingual-pair`` (default): BGE small v1.5 and v1 of each text's language beside USE; ``bilingual``: the
-previous default, without v1; ``local``: USE alone; ``onnx``: one BGE model; ``dashscope`` and ``openai``:
-remote, with a key."""
+"""``bilingual-pair`` (default): BGE small v1.5 of each text's language, BGE small zh v1 for Chinese texts,
+beside USE; ``bilingual``: the previous default, without BGE small zh v1; ``local``: USE alone; ``onnx``: one
+BGE model; ``dashscope`` and ``openai``: remote, with a key."""
 
 
 class EmbeddingSettings(BaseSettings):
-    """Which embedder runs: ``bilingual-pair`` (the default: BGE small zh or en v1.5 and v1 by each text's
-    language, beside USE), ``bilingual`` (the same without v1) and ``onnx`` (one BGE model) take their models
-    from Maven Central once, ``local`` (USE) needs no network, ``dashscope`` and ``openai`` need a key."""
+    """Which embedder runs: ``bilingual-pair`` (the default: BGE small zh or en v1.5 by each text's language
+    and BGE small zh v1 for Chinese texts, beside USE), ``bilingual`` (the same without zh v1) and ``onnx``
+    (one BGE model) take their models from Maven Central once, ``local`` (USE) needs no network,
+    ``dashscope`` and ``openai`` need a key."""
 
     model_config = SettingsConfigDict(env_prefix="RAGSTREAM_EMBEDDER_")
 

@@ -44,7 +44,7 @@ BILINGUAL_MODEL_KEY = "bilingual-bge-small-use-1024"
 """The previous default space: BGE small v1.5 of the text's language (zh or en) beside USE multilingual v3."""
 
 BILINGUAL_PAIR_MODEL_KEY = "bilingual-bge-small-pair-use-1536"
-"""The default space: two generations of BGE small of the text's language (v1.5 and v1) beside USE."""
+"""The default space: BGE small v1.5 of the text's language, BGE small zh v1 for a Chinese text, and USE."""
 
 BLOCKS: dict[str, tuple[Block, ...]] = {
     BILINGUAL_MODEL_KEY: (Block("bge", 1, 512), Block("use", 513, 512)),
