@@ -294,10 +294,11 @@ def shipped_default(
     leg's hits in the other language than the query's at their own weight."""
     shipped = MEASURED_FUSION[BILINGUAL_PAIR_MODEL_KEY]
     side = 0 if lang == "zh" else 1
-    models = {block.name: "use" for block in vector_blocks(BILINGUAL_PAIR_MODEL_KEY)}
     pairs = BGE_MODELS[BILINGUAL_PAIR_MODEL_KEY]
-    for block, pair in zip(vector_blocks(BILINGUAL_PAIR_MODEL_KEY), pairs, strict=False):
-        models[block.name] = pair[side] or pairs[0][side]  # a block without a model repeats the first's vector
+    *bge_blocks, use_block = vector_blocks(BILINGUAL_PAIR_MODEL_KEY)
+    # A block without a model for the language repeats the first block's vector.
+    models = {block.name: pair[side] or pairs[0][side] for block, pair in zip(bge_blocks, pairs, strict=True)}
+    models[use_block.name] = "use"
 
     def rank(query: int) -> list[str]:
         fusion = shipped.for_query(queries[query].text)
