@@ -93,14 +93,42 @@ async def test_each_request_goes_to_the_checked_address_with_its_name_kept() -> 
     )
 
 
-async def test_a_name_that_now_resolves_privately_is_refused_at_request_time(fake_dns: dict[str, list[str]]) -> None:
+async def test_a_name_that_now_resolves_privately_is_refused_once_its_check_expires(
+    fake_dns: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(outbound, "monotonic", lambda: now[0])
     network, seen = recording(lambda request: httpx.Response(200))
     async with outbound.client(transport=network, base_url="https://vendor.test") as client:
         await client.get("/first")
         fake_dns["vendor.test"] = ["10.0.0.1"]  # DNS rebinding: the name moved into the network
+        await client.get("/second")  # still to the address that was checked, not into the network
+        now[0] += outbound.CHECKED_ADDRESS_TTL_S
         with pytest.raises(outbound.OutboundRefused, match=re.escape("10.0.0.1")):
-            await client.get("/second")
-    assert [request.url.path for request in seen] == ["/first"]
+            await client.get("/third")
+    assert [(request.url.path, request.url.host) for request in seen] == [("/first", PUBLIC), ("/second", PUBLIC)]
+
+
+async def test_a_client_resolves_a_name_once_while_its_check_holds(
+    fake_dns: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resolved: list[str] = []
+    resolve = outbound.resolve
+
+    def counting(host: str, port: int) -> list[str]:
+        resolved.append(host)
+        return resolve(host, port)
+
+    monkeypatch.setattr(outbound, "resolve", counting)
+    network, seen = recording(lambda request: httpx.Response(200))
+    async with outbound.client(transport=network, base_url="https://vendor.test") as client:
+        for _ in range(3):
+            await client.get("/ping")
+        # Another name is checked on its own.
+        with pytest.raises(outbound.OutboundRefused, match=re.escape("192.168.1.9")):
+            await client.get("https://mixed.test/")
+    assert resolved == ["vendor.test", "mixed.test"]
+    assert [request.url.host for request in seen] == [PUBLIC] * 3
 
 
 async def test_a_redirect_to_a_private_host_is_refused() -> None:

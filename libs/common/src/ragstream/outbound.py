@@ -6,7 +6,10 @@ redirect hop included, since httpx sends every hop through the transport. The ho
 and refused when any of its addresses is loopback, private (RFC 1918, ULA), link-local (which holds
 the cloud metadata address 169.254.169.254), unspecified, multicast, reserved or CGNAT; the request
 then goes to the address that was checked (the name stays in the Host header and TLS SNI), so a
-name that resolves differently a moment later (DNS rebinding) cannot slip through.
+name that resolves differently a moment later (DNS rebinding) cannot slip through. A client keeps a
+host's checked address for ``CHECKED_ADDRESS_TTL_S``: its requests go on to that address without a
+resolution each (a thread and a DNS round trip inside every request of an embedder's few slots); a
+name that moved is resolved and checked again once that time is up.
 ``RAGSTREAM_ALLOW_PRIVATE_NETWORKS=true`` lifts the address rule (a vendor stand-in on the LAN, the
 tests' fakes on 127.0.0.1); the scheme rule always holds.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from time import monotonic
 from typing import Annotated, Any
 
 import httpx
@@ -28,6 +32,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ragstream.core.errors import InvalidInput
 
 __all__ = [
+    "CHECKED_ADDRESS_TTL_S",
     "OutboundRefused",
     "OutboundSettings",
     "UnresolvableHost",
@@ -40,6 +45,9 @@ __all__ = [
 
 _SCHEMES = frozenset({"http", "https"})
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
+
+#: How long a client sends to a host's checked address before resolving and checking the name again.
+CHECKED_ADDRESS_TTL_S = 30.0
 
 
 class OutboundSettings(BaseSettings):
@@ -168,11 +176,24 @@ class _GuardedTransport(httpx.AsyncBaseTransport):
     def __init__(self, inner: httpx.AsyncBaseTransport, allow_private: bool) -> None:
         self._inner = inner
         self._allow_private = allow_private
+        # (scheme, host, port) -> the checked address, and until when it is used without a new check
+        self._checked: dict[tuple[str, str, int | None], tuple[str, float]] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._inner.handle_async_request(_pinned(request, await self._address(request.url)))
+
+    async def _address(self, url: httpx.URL) -> str | None:
+        if self._allow_private:  # nothing to resolve: the scheme rule alone
+            return check_url(url, allow_private=True)
+        key, now = (url.scheme, url.host, url.port), monotonic()
+        checked = self._checked.get(key)
+        if checked is not None and now < checked[1]:
+            return checked[0]
         # Resolution blocks (getaddrinfo), so it runs in a thread, as asyncio's own resolver does.
-        address = await asyncio.to_thread(check_url, request.url, allow_private=self._allow_private)
-        return await self._inner.handle_async_request(_pinned(request, address))
+        address = await asyncio.to_thread(check_url, url, allow_private=False)
+        if address is not None:
+            self._checked[key] = (address, now + CHECKED_ADDRESS_TTL_S)
+        return address
 
     async def aclose(self) -> None:
         await self._inner.aclose()

@@ -259,18 +259,20 @@ class VendorHttp:
         if window is not None:
             await window.acquire()
 
-    async def send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def send(self, method: str, path: str, *, auth: httpx.Auth | None = None, **kwargs: Any) -> httpx.Response:
         """One request, in one of the ``max_in_flight`` slots; a timeout or a dropped connection becomes
-        a retryable ``Transient``."""
+        a retryable ``Transient``. The request is built (its body encoded) before it waits for a slot,
+        so that a slot is held only while the request is on the wire; ``kwargs`` are ``build_request``'s."""
+        request = self.client().build_request(method, path, **kwargs)
         if self._in_flight is None:
-            return await self._send(method, path, **kwargs)
+            return await self._send(request, path, auth)
         async with self._in_flight:
-            return await self._send(method, path, **kwargs)
+            return await self._send(request, path, auth)
 
-    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(self, request: httpx.Request, path: str, auth: httpx.Auth | None) -> httpx.Response:
         outcome, started = "error", time.perf_counter()
         try:
-            response = await self.client().request(method, path, **kwargs)
+            response = await self.client().send(request, auth=auth)
             outcome = f"{response.status_code // 100}xx"
             return response
         except httpx.TimeoutException as error:
