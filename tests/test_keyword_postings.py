@@ -22,9 +22,16 @@ from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
 from ragstream.storage.database import apply_migrations
 from ragstream.storage.documents import document_id
-from ragstream.storage.postings import DOCUMENT_FILTERS, SELECTIVE_SCOPE, ImpactOrderedPostings, refresh_impacts
+from ragstream.storage.postings import (
+    DOCUMENT_FILTERS,
+    SELECTIVE_SCOPE,
+    WHOLE_LISTS,
+    ImpactOrderedPostings,
+    refresh_impacts,
+)
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
+from ragstream.storage.term_lists import Rescaling, TermLists
 from tests.support.connections import private_database
 from tests.support.plans import Explaining, nodes, rows_examined, rows_read, subplan
 
@@ -140,9 +147,13 @@ async def _assert_postings_match_chunks(pool: asyncpg.Pool) -> None:
 
 
 async def _compare(
-    pool: asyncpg.Pool, queries: Sequence[str], scopes: dict[str, tuple[SearchFilters, Principal | None]]
+    pool: asyncpg.Pool,
+    queries: Sequence[str],
+    scopes: dict[str, tuple[SearchFilters, Principal | None]],
+    whole_lists: TermLists | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Top-10 of the postings against the exact scan per scope; returns the paths each scope took."""
+    """Top-10 of the postings against the exact scan per scope; returns the paths each scope took.
+    With ``whole_lists``, a search that reads 16 deep sums its terms' whole lists instead."""
     exact = SearchStore(pool, impact_ordered=False, **BM25)
     paths: dict[str, dict[str, int]] = {}
     shared = 0
@@ -150,14 +161,22 @@ async def _compare(
     for label, (filters, principal) in scopes.items():
         # Every scope size and every round count gets exercised: no small-scope shortcut, shallow first reads.
         forced = ImpactOrderedPostings(
-            exact_below=0, min_share=0.0, first_depth=4, max_read_share=1.0, max_scored=16, plan_from=16
+            exact_below=0,
+            min_share=0.0,
+            first_depth=4,
+            max_read_share=1.0,
+            max_scored=16,
+            plan_from=16,
+            whole_lists=whole_lists,
+            lists_from=16,
         )
         fast = SearchStore(pool, postings=forced, **BM25)
         scope = Scope.build(filters, principal, first_param=3)
         for text in queries:
             terms = query_terms(text)
             want = await exact.keyword_leg(terms, 10, scope, query=text)
-            got = await fast.keyword_leg(terms, 10, scope, query=text)
+            async with fast.snapshot() as snapshot:  # whole lists are read in a search's snapshot only
+                got = await snapshot.keyword_leg(terms, 10, scope, query=text)
             total += len(want)
             # A chunk tied with the last one kept (same score, up to the order of a float sum) may
             # take its place: the same ranking.
@@ -194,6 +213,13 @@ async def test_postings_rank_as_the_exact_scan_across_scopes_and_drift(runtime: 
             assert paths[label].get("postings", 0) >= 0.9 * len(queries), (label, paths[label])
         assert paths["knowledge base"] == {"exact: document filters": len(queries)}
         assert paths["acl"].get("exact: ACL", 0) >= 0.5 * len(queries), paths["acl"]
+        # The same rankings from the terms' whole lists, loaded by the first search that reads deep
+        # and then summed at once, before any round.
+        lists = TermLists(64 << 20)
+        whole = await _compare(own.pool, queries, scopes, lists)
+        for label in ("open+kb", "one connection", "platform", "skip_acl"):
+            assert whole[label].get(WHOLE_LISTS, 0) >= 0.5 * len(queries), (label, whole[label])
+        assert lists.loaded > 0
 
         # Long documents triple the average length: impacts stored under the old reference remain
         # valid bounds (scaled by the drift), so the ranking stays exact before any refresh.
@@ -203,6 +229,10 @@ async def test_postings_rank_as_the_exact_scan_across_scopes_and_drift(runtime: 
         now = await own.pool.fetchval("SELECT avg(lexeme_count)::float8 FROM chunks")
         assert now > 1.5 * before
         await _compare(own.pool, queries[:20], {"after drift": scopes["open+kb"]})
+        # The lists kept were loaded before the commits: each term they changed is loaded again.
+        loaded = lists.loaded
+        drifted = await _compare(own.pool, queries[:20], {"after drift": scopes["open+kb"]}, lists)
+        assert drifted["after drift"].get(WHOLE_LISTS, 0) >= 10 and lists.loaded > loaded
         assert await refresh_impacts(own.pool)
         assert await own.pool.fetchval("SELECT average_words FROM keyword_reference") == pytest.approx(now)
         stale = await own.pool.fetchval(
@@ -213,6 +243,77 @@ async def test_postings_rank_as_the_exact_scan_across_scopes_and_drift(runtime: 
         assert stale == 0
         assert not await refresh_impacts(own.pool)
         await _compare(own.pool, queries[:20], {"after refresh": scopes["open+kb"]})
+        await _compare(own.pool, queries[:20], {"after refresh": scopes["open+kb"]}, lists)
+
+
+async def test_whole_lists_are_loaded_again_once_a_commit_changes_their_terms(
+    runtime: Runtime, database_url: str
+) -> None:
+    async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
+        corpus = Corpus(random.Random(3), _vocabulary(random.Random(3), 60), chinese=0.0)
+        connection = f"kp-{uuid.uuid4().hex[:8]}"
+        await own.store.ensure_connection(connection, "folder", connection)
+        for n in range(30):
+            await _commit(own, connection, f"doc-{n}", [corpus.text(40) for _ in range(4)])
+        common = corpus.words[0]  # the Zipf head: in most chunks
+        lists = TermLists(64 << 20)
+        postings = ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4, whole_lists=lists, lists_from=4)
+        store = SearchStore(own.pool, postings=postings, **BM25)
+        scope = Scope.build(SearchFilters(connection_ids=[connection]), None, first_param=3)
+
+        async def search() -> list[str]:
+            async with store.snapshot() as snapshot:
+                return [hit.chunk_id for hit in await snapshot.keyword_leg([common], 5, scope, query=common)]
+
+        first = await search()
+        assert store.keyword_paths[WHOLE_LISTS] == 1 and lists.loaded == 1
+        assert await search() == first and lists.loaded == 1  # unchanged: summed from the list kept
+        await _commit(own, connection, "new", [" ".join([common] * 30)])
+        newest = await search()
+        assert lists.loaded == 2 and newest[0] not in first  # the new chunk, the best of all, is found
+        assert store.keyword_paths[WHOLE_LISTS] == 3
+
+
+async def test_term_lists_keep_the_most_recently_used_within_their_budget(runtime: Runtime, database_url: str) -> None:
+    async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
+        corpus = Corpus(random.Random(5), _vocabulary(random.Random(5), 40), chinese=0.0)
+        connection = f"kp-{uuid.uuid4().hex[:8]}"
+        await own.store.ensure_connection(connection, "folder", connection)
+        for n in range(20):
+            await _commit(own, connection, f"doc-{n}", [corpus.text(30) for _ in range(3)])
+        terms = await own.pool.fetch(
+            "SELECT term, count(*) AS postings FROM keyword_postings GROUP BY term ORDER BY 2 DESC LIMIT 3"
+        )
+        rescaling = Rescaling(0.4, 0.6, (10.0, 10.0), (10.0, 10.0))
+        budget = TermLists.BYTES_PER_POSTING * (terms[0]["postings"] + terms[1]["postings"])
+        lists = TermLists(budget)
+        async with own.pool.acquire() as connection_:
+            for row in (*terms[:2], terms[0], terms[2]):  # the first used again, then a third
+                got = await lists.get(connection_, row["term"], (1,), rescaling)
+                assert len(got.keys) == row["postings"]
+        assert lists.holds(terms[0]["term"], (1,), rescaling) and lists.holds(terms[2]["term"], (1,), rescaling)
+        assert not lists.holds(terms[1]["term"], (1,), rescaling)  # the least recently used went
+        assert not lists.holds(terms[0]["term"], (2,), rescaling)  # another version is another list
+        assert lists.loaded == 3
+
+
+def test_rescaled_parts_bound_the_part_under_the_current_lengths() -> None:
+    k1, b = 0.4, 0.6
+    rng = np.random.default_rng(4)
+    tfs = rng.integers(1, 40, 2000).astype(np.int16)
+    lengths = rng.integers(1, 3000, 2000).astype(np.float64)
+    fields = rng.integers(0, 2, 2000).astype(np.int16)
+    reference, current = np.array([120.0, 300.0]), np.array([95.0, 410.0])
+
+    def part(averages: np.ndarray) -> np.ndarray:
+        return tfs * (k1 + 1) / (tfs + k1 * (1 - b + b * lengths / averages[fields]))
+
+    stored = part(reference).astype(np.float32)  # as keyword_postings holds them
+    rescaled = Rescaling(k1, b, (120.0, 300.0), (95.0, 410.0)).parts(stored, tfs, fields)
+    exact = part(current)
+    assert rescaled.dtype == np.float32
+    assert np.all(rescaled * (1 + 1e-6) >= exact)  # a bound, with the search's rounding slack
+    assert np.all(rescaled <= exact * (1 + 1e-6))  # and a tight one
 
 
 async def test_postings_follow_edits_deletions_acls_and_concurrent_commits(runtime: Runtime, database_url: str) -> None:

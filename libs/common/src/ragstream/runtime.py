@@ -42,9 +42,11 @@ from ragstream.storage.documents import DocumentStore
 from ragstream.storage.documents_read import DocumentReadStore
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.knowledge import KnowledgeStore
+from ragstream.storage.postings import ImpactOrderedPostings
 from ragstream.storage.rechunk import RechunkStore
 from ragstream.storage.search import SearchStore
 from ragstream.storage.spaces import SpaceStore
+from ragstream.storage.term_lists import TermLists
 
 __all__ = [
     "Database",
@@ -250,6 +252,9 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                     bm25_b=settings.bm25_b,
                     bigram_weight=settings.bm25_bigram_weight,
                     statement_timeout_s=settings.search_limits.statement_timeout_s,
+                    postings=ImpactOrderedPostings(
+                        whole_lists=TermLists(settings.keyword_lists_mb << 20) if settings.keyword_lists_mb else None
+                    ),
                 ),
                 embedder,
                 CitationStore(pool),

@@ -341,6 +341,15 @@ class Settings(BaseSettings):
         float,
         Field(title="Weight of the Chinese character-bigram field in BM25", description="0 ranks by words only.", ge=0),
     ] = BM25_BIGRAM_WEIGHT
+    keyword_lists_mb: Annotated[
+        int,
+        Field(
+            title="Memory for the keyword leg's whole term lists (MB)",
+            description="A search whose keyword rounds go deep (frequent terms in a large corpus) sums its terms' "
+            "whole postings lists in memory, kept while those terms do not change; 0 turns this off.",
+            ge=0,
+        ),
+    ] = 256
     direct_search_timeout_s: Annotated[
         float,
         Field(

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import asyncpg
+import numpy as np
+import numpy.typing as npt
+
+from ragstream.storage.term_lists import Rescaling, TermLists, list_version
 
 if TYPE_CHECKING:
     from ragstream.storage.scope import Scope
@@ -32,6 +36,7 @@ __all__ = [
     "BM25_TERMS",
     "DOCUMENT_FILTERS",
     "SELECTIVE_SCOPE",
+    "WHOLE_LISTS",
     "Bm25Statistics",
     "ImpactOrderedPostings",
     "PostingsAnswer",
@@ -73,8 +78,10 @@ _QUERY_TERMS = f"""
           UNION ALL SELECT 1::smallint, lexeme FROM t, unnest(t.bigrams) AS lexeme)"""
 
 # In one statement (one round trip): the query's lexemes and bigrams (BM25_TERMS), the reference
-# statistics the impacts were stored under (keyword_reference) and each term's in-scope document
-# frequency from keyword_df, read through the caller's scope clause: keyword_df stands in for the
+# statistics the impacts were stored under (keyword_reference), each term's in-scope document
+# frequency from keyword_df, read through the caller's scope clause, and the versions of its rows and
+# of the reference (the transactions that wrote them, comma-separated: asyncpg reads no array in a
+# record; storage/term_lists.py): keyword_df stands in for the
 # chunks (``c``: its index_version, no ACL), a row with the connection for the document (``d``). Only
 # valid for scopes without document filters (Scope.document_filters); ``restricted`` counts chunks
 # with an ACL in connections that check it, which only an exact scan can judge. $1/$2: the query's
@@ -94,10 +101,13 @@ _FREQUENCIES = f"""
                coalesce((SELECT sum(s.restricted) FROM scoped s WHERE s.field = q.field AND s.lexeme = q.lexeme), 0)
                    AS restricted,
                coalesce((SELECT sum(f.chunks) FROM keyword_df f WHERE f.field = q.field AND f.lexeme = q.lexeme),
-                        0)::float8 AS everywhere
+                        0)::float8 AS everywhere,
+               array_to_string(ARRAY(SELECT f.xmin::text FROM keyword_df f
+                                     WHERE f.field = q.field AND f.lexeme = q.lexeme), ',') AS versions
         FROM q)
     SELECT t.lexemes, t.bigrams, r.k1, r.b, r.average_words, r.average_bigrams,
-           ARRAY(SELECT ROW(field, lexeme, term, df, restricted, everywhere) FROM frequencies) AS terms
+           r.xmin::text::bigint AS reference_version,
+           ARRAY(SELECT ROW(field, lexeme, term, df, restricted, everywhere, versions) FROM frequencies) AS terms
     FROM t LEFT JOIN keyword_reference r ON true
 """
 
@@ -196,11 +206,16 @@ class _Frequency(NamedTuple):
     df: float
     restricted: int
     everywhere: float
+    versions: str
 
 
 SELECTIVE_SCOPE = "exact: selective scope"
 """The path of a scope holding under ``min_share`` of the terms' postings: its exact scan reads the
 scope's chunks first (``SearchStore``) when they are fewer than the corpus's matches."""
+
+WHOLE_LISTS = "postings: whole lists"
+"""The path of a search whose rounds went deep, answered from its terms' whole lists in memory
+(``storage/term_lists.py``)."""
 
 DOCUMENT_FILTERS = "exact: document filters"
 """The path of a scope with document filters (knowledge bases, sources, metadata), whose in-scope df
@@ -225,6 +240,9 @@ class _Term:
     key: int
     df: float
     bound: float  # weight × idf × drift × rounding slack: multiplies the last impact read
+    scale: float  # weight × idf × rounding slack: multiplies a term-frequency part under current lengths
+    version: tuple[int, ...]  # of its postings (storage/term_lists.py)
+    postings: float  # in the whole corpus
 
 
 class ImpactOrderedPostings:
@@ -246,7 +264,10 @@ class ImpactOrderedPostings:
     against 0.7–1.2); with more chunks whose bound reaches the threshold, reading deeper tightens
     their bounds first. ``plan_from``: once a list is read this deep (a round then costs several
     milliseconds), the next round's depths are planned from the impacts at deeper points of the
-    lists rather than stepped 4× (``_planned_depths``)."""
+    lists rather than stepped 4× (``_planned_depths``). ``whole_lists``: at that depth, a search whose
+    terms' whole lists fit in its budget (``storage/term_lists.py``) sums them in memory instead, every
+    chunk's bound at once, and scores the chunks in bound order until the bound falls below the
+    ``limit``-th score: the same exact top-k without more rounds."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
@@ -262,6 +283,8 @@ class ImpactOrderedPostings:
         max_scored: int = 1024,
         scoring_cost: float = 16.0,
         plan_from: int = 4096,
+        whole_lists: TermLists | None = None,
+        lists_from: int = 1024,
     ) -> None:
         self.exact_below = exact_below
         self.min_share = min_share
@@ -271,6 +294,8 @@ class ImpactOrderedPostings:
         self.max_scored = max_scored
         self.scoring_cost = scoring_cost
         self.plan_from = plan_from
+        self.whole_lists = whole_lists
+        self.lists_from = lists_from
 
     async def top(
         self,
@@ -310,21 +335,34 @@ class ImpactOrderedPostings:
         }
         if any(drift[row.field] == math.inf for row in present):
             return PostingsAnswer("exact: no reference lengths", None)
+        # weight × idf × rounding slack per term; times the drift, the bound of a stored impact
+        scales = [
+            (1.0 if row.field == 0 else statistics.bigram_weight) * _idf(statistics.chunks, row.df) * self._SLACK
+            for row in present
+        ]
         terms = [
             _Term(
                 row.field,
                 row.lexeme,
                 row.term,
                 row.df,
-                (1.0 if row.field == 0 else statistics.bigram_weight)
-                * _idf(statistics.chunks, row.df)
-                * drift[row.field]
-                * self._SLACK,
+                scale * drift[row.field],
+                scale,
+                list_version([int(version) for version in row.versions.split(",")], reference["reference_version"]),
+                row.everywhere,
             )
-            for row in present
+            for row, scale in zip(present, scales, strict=True)
         ]
-        depths = [self.first_depth] * len(terms)
         scorer = _Scorer(db, terms, reference["lexemes"], reference["bigrams"], limit, scope, statistics)
+        rescaling = Rescaling(
+            statistics.k1,
+            statistics.b,
+            (reference["average_words"] or 0.0, reference["average_bigrams"] or 0.0),
+            (statistics.average_words, statistics.average_bigrams),
+        )
+        if self._lists_kept(db, terms, rescaling):
+            return PostingsAnswer(WHOLE_LISTS, await self._from_whole_lists(db, terms, rescaling, scorer))
+        depths = [self.first_depth] * len(terms)
         more = 0  # contenders to return beyond the round's share, once nothing is left to read
         while True:
             # As many as scoring costs less than the next round would read (at least 2× this one).
@@ -347,6 +385,8 @@ class ImpactOrderedPostings:
             # Every chunk whose bound reaches the threshold is among the keys (the threshold only grew).
             if read_enough and row["contenders"] <= returned:
                 return PostingsAnswer("postings", await scorer.best(row["keys"], row["bounds"]))
+            if max(depths) >= self.lists_from and self._lists_fit(db, terms):
+                return PostingsAnswer(WHOLE_LISTS, await self._from_whole_lists(db, terms, rescaling, scorer))
             rests = sorted(((rest, index) for index, rest in enumerate(row["rests"]) if rest is not None), reverse=True)
             if read_enough and not rests:  # every list read to its end: score every contender
                 more = row["contenders"]
@@ -378,6 +418,56 @@ class ImpactOrderedPostings:
             # the scan that scores them all once is cheaper than more rounds.
             if _postings_read(depths, terms) > self.max_read_share * in_scope:
                 return PostingsAnswer("exact: too deep", None)
+
+    def _lists_kept(self, db: Any, terms: Sequence[_Term], rescaling: Rescaling) -> bool:
+        """Whether every term's whole list is kept at the version this snapshot reads: then summing
+        them costs less than a first round."""
+        lists = self.whole_lists
+        return (
+            lists is not None
+            and isinstance(db, asyncpg.Connection)
+            and all(lists.holds(term.key, term.version, rescaling) for term in terms)
+        )
+
+    def _lists_fit(self, db: Any, terms: Sequence[_Term]) -> bool:
+        """Whether the terms' whole lists can answer: kept lists, on a snapshot's connection (a list
+        and its version must be read in one snapshot), within the budget."""
+        return (
+            self.whole_lists is not None
+            and isinstance(db, asyncpg.Connection)
+            and TermLists.BYTES_PER_POSTING * sum(term.postings for term in terms) <= self.whole_lists.budget_bytes
+        )
+
+    async def _from_whole_lists(
+        self, db: Any, terms: Sequence[_Term], rescaling: Rescaling, scorer: _Scorer
+    ) -> list[tuple[str, float]]:
+        """The exact top-k from the terms' whole lists: every chunk's bound (its term-frequency parts
+        under the current lengths times the terms' idf: its score, to the rounding slack) summed at
+        once, the chunks scored in bound order until the bound falls below the ``limit``-th score."""
+        assert self.whole_lists is not None
+        lists = [await self.whole_lists.get(db, term.key, term.version, rescaling) for term in terms]
+        held = [postings for postings in lists if len(postings.keys)]
+        if not held:
+            return []
+        low = min(postings.low for postings in held)
+        bounds = np.zeros(max(postings.high for postings in held) - low + 1)
+        for postings, term in zip(lists, terms, strict=True):
+            # add.at, not +=: a chunk twice in a list (two lexemes of one hash) counts twice.
+            np.add.at(bounds, postings.keys - low, np.multiply(postings.parts, term.scale, dtype=np.float64))
+        threshold = scorer.threshold
+        if threshold is not None:  # a chunk whose bound is below it can never enter
+            chosen = np.flatnonzero(bounds >= threshold)
+            chosen = chosen[np.argsort(-bounds[chosen], kind="stable")]
+            return await scorer.best((chosen + low).tolist(), bounds[chosen].tolist())
+        candidates = int(np.count_nonzero(bounds))
+        wanted = 4 * scorer.limit
+        while True:
+            chosen = _highest_first(bounds, wanted)
+            hits = await scorer.best((chosen + low).tolist(), bounds[chosen].tolist())
+            threshold = scorer.threshold
+            if len(chosen) == candidates or (threshold is not None and bounds[chosen[-1]] < threshold):
+                return hits
+            wanted = 8 * len(chosen)
 
     async def _planned_depths(
         self, db: Any, terms: Sequence[_Term], depths: list[int], rests: list[tuple[float, int]], threshold: float
@@ -432,7 +522,7 @@ class _Scorer:
         statistics: Bm25Statistics,
     ) -> None:
         self._db = db
-        self._limit = limit
+        self.limit = limit
         self._scope = scope
         self._scored: set[int] = set()
         self._hits: list[tuple[str, float]] = []
@@ -456,7 +546,7 @@ class _Scorer:
     @property
     def threshold(self) -> float | None:
         """The ``limit``-th best exact score so far (``None`` while fewer chunks were found)."""
-        return self._hits[-1][1] if len(self._hits) == self._limit else None
+        return self._hits[-1][1] if len(self._hits) == self.limit else None
 
     async def score(self, keys: Sequence[int]) -> None:
         """Score those of ``keys`` not scored yet (the ones out of scope score nothing)."""
@@ -464,14 +554,14 @@ class _Scorer:
         if not todo:
             return
         self._scored.update(todo)
-        rows = await self._db.fetch(self._sql, todo, self._limit, *self._scope.params, *self._values.values())
+        rows = await self._db.fetch(self._sql, todo, self.limit, *self._scope.params, *self._values.values())
         merged = self._hits + [(row["id"], row["score"]) for row in rows]
-        self._hits = sorted(merged, key=lambda hit: (-hit[1], hit[0]))[: self._limit]
+        self._hits = sorted(merged, key=lambda hit: (-hit[1], hit[0]))[: self.limit]
 
     async def best(self, keys: Sequence[int], bounds: Sequence[float]) -> list[tuple[str, float]]:
         """The top ``limit`` among the chunks scored so far, after scoring every one of ``keys``
         (ordered by their upper ``bounds``, highest first) that could still reach it."""
-        batch = max(2 * self._limit, 64)
+        batch = max(2 * self.limit, 64)
         start = 0
         while start < len(keys):
             threshold = self.threshold
@@ -481,6 +571,19 @@ class _Scorer:
             start += batch
             batch *= 4
         return self._hits
+
+
+def _highest_first(bounds: npt.NDArray[np.float64], wanted: int) -> npt.NDArray[np.intp]:
+    """The indexes of at least ``wanted`` of the highest positive ``bounds`` (all of them if fewer),
+    highest first. The cut is read off a histogram: ``argpartition`` takes tens of milliseconds on a
+    million bounds of which a hundred thousand are equal (the same footer in every page)."""
+    chosen = np.flatnonzero(bounds)
+    if len(chosen) > wanted:
+        values = bounds[chosen]
+        counts, edges = np.histogram(values, bins=1024)
+        from_top = np.cumsum(counts[::-1])
+        chosen = chosen[values >= edges[len(counts) - 1 - int(np.searchsorted(from_top, wanted))]]
+    return chosen[np.argsort(-bounds[chosen], kind="stable")]
 
 
 def _postings_read(depths: Sequence[int], terms: Sequence[_Term]) -> float:
