@@ -9,10 +9,11 @@ the same SQL expression as the exact path and the in-scope df, first the chunks 
 weigh most (their ``limit``-th exact score is the threshold), then only the chunks whose bound
 reaches the threshold. It stops once the threshold beats the bound of every unread chunk and those
 chunks are few enough; else it reads deeper (4×) in the lists that keep the bounds high, and past
-``max_depth`` hands back to the exact path. ``drift`` is max(1, current average length / reference
-average length): the term-frequency part grows with the average length and by at most that ratio,
-so impacts stored under older statistics stay valid bounds. The result is the exact BM25 top-k, with
-the same scores.
+``max_depth`` hands back to the exact path; a search that reads deep sums its terms' whole lists,
+kept in memory, instead (``storage/term_lists.py``, ``_from_whole_lists``). ``drift`` is max(1,
+current average length / reference average length): the term-frequency part grows with the average
+length and by at most that ratio, so impacts stored under older statistics stay valid bounds. The
+result is the exact BM25 top-k, with the same scores.
 """
 
 from __future__ import annotations

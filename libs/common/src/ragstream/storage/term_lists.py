@@ -126,6 +126,11 @@ class TermLists:
         self._used = 0
         self.loaded = 0  # lists read from the database, for benchmarks and tests
 
+    @property
+    def used(self) -> int:
+        """Bytes of the lists kept."""
+        return self._used
+
     def holds(self, term: int, version: tuple[int, ...], rescaling: Rescaling) -> bool:
         """Whether ``term``'s list is kept at ``version`` and under ``rescaling``."""
         kept = self._lists.get(term)
@@ -140,10 +145,10 @@ class TermLists:
             return kept
         loaded = await _load(connection, term, version, rescaling)
         self.loaded += 1
-        if kept is not None:
-            self._used -= kept.nbytes
+        replaced = self._lists.pop(term, None)  # read again: another search may have loaded it meanwhile
+        if replaced is not None:
+            self._used -= replaced.nbytes
         self._lists[term] = loaded
-        self._lists.move_to_end(term)
         self._used += loaded.nbytes
         while self._used > self.budget_bytes and len(self._lists) > 1:
             _, evicted = self._lists.popitem(last=False)
