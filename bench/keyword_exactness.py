@@ -15,6 +15,9 @@ scope first (``SELECTIVE_SCOPE``), where ``impact_ordered=False`` reads every ma
     .venv/bin/pip install insuranceqa-data==1.2
     .venv/bin/python -m bench.keyword_exactness [--lang en zh] [--split valid] [--queries N] [--limit N] \
         [--scope all|small]
+
+The postings side is built as the retriever builds it (``runtime.keyword_postings``): a query whose rounds
+read deep is answered from its terms' whole lists (``WHOLE_LISTS`` in the paths).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from bench.quality import TOP, Query, answer_header, answers_of, database, load_
 from ragstream.chunking import MarkdownChunker
 from ragstream.core.search import SearchFilters
 from ragstream.parsing import Parser
+from ragstream.runtime import keyword_postings
 from ragstream.segmentation import query_terms
 from ragstream.settings import Settings
 from ragstream.storage.database import connect_pool
@@ -128,7 +132,9 @@ async def compare(
     # The settings' BM25 parameters: the postings' reference (migration 0023) serves only those.
     defaults = Settings()
     bm25 = {"bm25_k1": defaults.bm25_k1, "bm25_b": defaults.bm25_b}
-    fast, exact = SearchStore(pool, **bm25), SearchStore(pool, impact_ordered=False, **bm25)
+    # The postings as the retriever reads them: rounds, and whole term lists for the searches that read deep.
+    fast = SearchStore(pool, postings=keyword_postings(defaults), **bm25)
+    exact = SearchStore(pool, impact_ordered=False, **bm25)
     scope = Scope.build(filters, None, first_param=3)
     for store in (fast, exact):  # statistics cached, plans warm
         await leg(store, queries[0], scope)

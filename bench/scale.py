@@ -55,15 +55,14 @@ import httpx
 import numpy as np
 
 from ragstream.core.search import SearchFilters
-from ragstream.runtime import open_runtime
+from ragstream.runtime import keyword_postings, open_runtime
 from ragstream.segmentation import query_terms, segment
 from ragstream.settings import Settings
 from ragstream.storage.documents import chunk_id, document_id
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
-from ragstream.storage.postings import ImpactOrderedPostings, refresh_impacts
+from ragstream.storage.postings import refresh_impacts
 from ragstream.storage.scope import Scope
 from ragstream.storage.search import SearchStore
-from ragstream.storage.term_lists import TermLists
 
 __all__ = ["main"]
 
@@ -252,9 +251,10 @@ async def legs(
     # The settings' BM25 parameters: the postings' reference (migration 0023) serves only those.
     defaults = Settings()
     bm25 = {"bm25_k1": defaults.bm25_k1, "bm25_b": defaults.bm25_b}
-    # The keyword leg as the retriever builds it (runtime.py): whole term lists within the settings' memory.
-    lists = TermLists(defaults.keyword_lists_mb << 20)
-    fast = SearchStore(pool, postings=ImpactOrderedPostings(whole_lists=lists), **bm25)
+    postings = keyword_postings(defaults)  # as the retriever reads them: whole term lists in the settings' memory
+    lists = postings.whole_lists
+    assert lists is not None, "RAGSTREAM_KEYWORD_LISTS_MB=0: nothing to load"
+    fast = SearchStore(pool, postings=postings, **bm25)
     exact = SearchStore(pool, impact_ordered=False, **bm25)
     rng = np.random.default_rng(7)
     first, second = "keyword, first pass (lists loaded)", "keyword, second pass"

@@ -55,6 +55,7 @@ __all__ = [
     "create_contextualizer",
     "create_rephraser",
     "create_reranker",
+    "keyword_postings",
     "open_database",
     "open_runtime",
     "resolve_database",
@@ -195,6 +196,12 @@ def create_contextualizer(settings: Settings, pool: asyncpg.Pool) -> ChunkContex
     return ChunkContextualizer(chat, ChunkContextStore(pool), document_chars=settings.contextual_document_chars)
 
 
+def keyword_postings(settings: Settings) -> ImpactOrderedPostings:
+    """The keyword leg's postings reader: rounds, and whole term lists within the settings' memory."""
+    budget = settings.keyword_lists_mb << 20
+    return ImpactOrderedPostings(whole_lists=TermLists(budget) if budget else None)
+
+
 def create_rephraser(settings: Settings) -> QueryRephraser | None:
     """The configured query rephraser, or ``None`` for ``RAGSTREAM_REPHRASER=none``."""
     key = settings.dashscope_key()
@@ -252,9 +259,7 @@ async def open_runtime(settings: Settings, dsn: str) -> AsyncIterator[Runtime]:
                     bm25_b=settings.bm25_b,
                     bigram_weight=settings.bm25_bigram_weight,
                     statement_timeout_s=settings.search_limits.statement_timeout_s,
-                    postings=ImpactOrderedPostings(
-                        whole_lists=TermLists(settings.keyword_lists_mb << 20) if settings.keyword_lists_mb else None
-                    ),
+                    postings=keyword_postings(settings),
                 ),
                 embedder,
                 CitationStore(pool),

@@ -421,14 +421,14 @@ class ImpactOrderedPostings:
                 return PostingsAnswer("exact: too deep", None)
 
     def _lists_kept(self, db: Any, terms: Sequence[_Term], rescaling: Rescaling) -> bool:
-        """Whether every term's whole list is kept at the version this snapshot reads: then summing
-        them costs less than a first round."""
+        """Whether the terms' whole lists answer before any round: every long list (over
+        ``lists_from`` postings) kept at the version this snapshot reads, at least one of them, and
+        the short ones loaded in about a millisecond each."""
         lists = self.whole_lists
-        return (
-            lists is not None
-            and isinstance(db, asyncpg.Connection)
-            and all(lists.holds(term.key, term.version, rescaling) for term in terms)
-        )
+        if lists is None or not isinstance(db, asyncpg.Connection):
+            return False
+        long = [term for term in terms if term.postings > self.lists_from]
+        return bool(long) and all(lists.holds(term.key, term.version, rescaling) for term in long)
 
     def _lists_fit(self, db: Any, terms: Sequence[_Term]) -> bool:
         """Whether the terms' whole lists can answer: kept lists, on a snapshot's connection (a list
