@@ -265,10 +265,11 @@ class ImpactOrderedPostings:
     against 0.7–1.2); with more chunks whose bound reaches the threshold, reading deeper tightens
     their bounds first. ``plan_from``: once a list is read this deep (a round then costs several
     milliseconds), the next round's depths are planned from the impacts at deeper points of the
-    lists rather than stepped 4× (``_planned_depths``). ``whole_lists``: at that depth, a search whose
-    terms' whole lists fit in its budget (``storage/term_lists.py``) sums them in memory instead, every
-    chunk's bound at once, and scores the chunks in bound order until the bound falls below the
-    ``limit``-th score: the same exact top-k without more rounds."""
+    lists rather than stepped 4× (``_planned_depths``). ``whole_lists`` and ``lists_from``: once a
+    list is read this deep, a search whose terms' whole lists fit in the budget
+    (``storage/term_lists.py``) sums them in memory instead, every chunk's bound at once, and scores
+    the chunks in bound order until the bound falls below the ``limit``-th score: the same exact top-k
+    without more rounds; a search whose long lists are all kept does so before any round."""
 
     # Impacts are stored as float4 (relative error 2^-24); the bound must never fall below a score.
     _SLACK = 1 + 1e-6
@@ -336,6 +337,7 @@ class ImpactOrderedPostings:
         }
         if any(drift[row.field] == math.inf for row in present):
             return PostingsAnswer("exact: no reference lengths", None)
+        version = reference["reference_version"]  # with each term's rows', the version of its postings
         # weight × idf × rounding slack per term; times the drift, the bound of a stored impact
         scales = [
             (1.0 if row.field == 0 else statistics.bigram_weight) * _idf(statistics.chunks, row.df) * self._SLACK
@@ -349,7 +351,7 @@ class ImpactOrderedPostings:
                 row.df,
                 scale * drift[row.field],
                 scale,
-                list_version([int(version) for version in row.versions.split(",")], reference["reference_version"]),
+                list_version([int(row_version) for row_version in row.versions.split(",") if row_version], version),
                 row.everywhere,
             )
             for row, scale in zip(present, scales, strict=True)
@@ -431,8 +433,8 @@ class ImpactOrderedPostings:
         return bool(long) and all(lists.holds(term.key, term.version, rescaling) for term in long)
 
     def _lists_fit(self, db: Any, terms: Sequence[_Term]) -> bool:
-        """Whether the terms' whole lists can answer: kept lists, on a snapshot's connection (a list
-        and its version must be read in one snapshot), within the budget."""
+        """Whether the terms' whole lists may be loaded: on a snapshot's connection (a list and its
+        version must be read in one snapshot), and within the budget."""
         return (
             self.whole_lists is not None
             and isinstance(db, asyncpg.Connection)
