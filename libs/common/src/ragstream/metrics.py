@@ -60,6 +60,13 @@ DOCUMENTS_INDEXED = Counter(
     ["outcome"],
 )
 CHUNKS_INDEXED = Counter("ragstream_chunks_indexed_total", "Chunks committed to the index with their vectors")
+KEYWORD_SEARCHES = Counter(
+    "ragstream_keyword_searches_total",
+    "Keyword-leg searches by the path that answered: postings (rounds), postings: whole lists, exact: <why>",
+    ["path"],
+)
+KEYWORD_LISTS_LOADED = Counter("ragstream_keyword_lists_loaded_total", "Term lists the keyword leg read into memory")
+KEYWORD_LISTS_BYTES = Gauge("ragstream_keyword_lists_bytes", "Memory of the term lists the keyword leg keeps")
 SEARCH_REQUESTS = Counter(
     "ragstream_search_requests_total",
     "Search calls by API (http, grpc) and outcome (ok, overloaded, db_busy, timeout, cancelled, error)",

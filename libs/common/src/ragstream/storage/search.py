@@ -15,6 +15,7 @@ import asyncpg
 import numpy as np
 
 from ragstream.core.vectors import Block, Vectors
+from ragstream.metrics import KEYWORD_SEARCHES
 from ragstream.settings import BM25_B, BM25_BIGRAM_WEIGHT, BM25_K1
 from ragstream.storage.database import DatabaseBusy
 from ragstream.storage.postings import (
@@ -460,6 +461,7 @@ class SearchStore:
         if self._impact_ordered:
             answer = await self._from_postings(terms, limit, scope, query, stats)
             self.keyword_paths[answer.path] += 1
+            KEYWORD_SEARCHES.labels(answer.path).inc()
             if answer.hits is not None:
                 return [Hit(*hit) for hit in answer.hits]
             if answer.corpus_postings:  # a selective scope, document filters: the scope first

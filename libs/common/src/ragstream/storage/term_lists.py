@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ragstream.metrics import KEYWORD_LISTS_BYTES, KEYWORD_LISTS_LOADED
+
 __all__ = ["Rescaling", "TermList", "TermLists", "list_version"]
 
 # A term's postings, for COPY in binary: per row a field count, then each field's length and value.
@@ -145,15 +147,20 @@ class TermLists:
             return kept
         loaded = await _load(connection, term, version, rescaling)
         self.loaded += 1
+        KEYWORD_LISTS_LOADED.inc()
         replaced = self._lists.pop(term, None)  # read again: another search may have loaded it meanwhile
         if replaced is not None:
-            self._used -= replaced.nbytes
+            self._forget(replaced)
         self._lists[term] = loaded
         self._used += loaded.nbytes
+        KEYWORD_LISTS_BYTES.inc(loaded.nbytes)
         while self._used > self.budget_bytes and len(self._lists) > 1:
-            _, evicted = self._lists.popitem(last=False)
-            self._used -= evicted.nbytes
+            self._forget(self._lists.popitem(last=False)[1])
         return loaded
+
+    def _forget(self, dropped: TermList) -> None:
+        self._used -= dropped.nbytes
+        KEYWORD_LISTS_BYTES.dec(dropped.nbytes)
 
 
 async def _load(connection: Any, term: int, version: tuple[int, ...], rescaling: Rescaling) -> TermList:
