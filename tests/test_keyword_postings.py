@@ -124,6 +124,18 @@ async def _build(runtime: Runtime, corpus: Corpus) -> dict[str, str]:
     return names
 
 
+async def _english_connection(
+    runtime: Runtime, seed: int, words: int, documents: int, chunks: int, length: int
+) -> tuple[Corpus, str]:
+    """A connection of ``documents`` English documents of ``chunks`` chunks of ``length`` words."""
+    corpus = Corpus(random.Random(seed), _vocabulary(random.Random(seed), words), chinese=0.0)
+    connection = f"kp-{uuid.uuid4().hex[:8]}"
+    await runtime.store.ensure_connection(connection, "folder", connection)
+    for n in range(documents):
+        await _commit(runtime, connection, f"doc-{n}", [corpus.text(length) for _ in range(chunks)])
+    return corpus, connection
+
+
 async def _assert_postings_match_chunks(pool: asyncpg.Pool) -> None:
     """The postings and frequencies are exactly those the chunks imply (and nothing else)."""
     postings = (
@@ -250,11 +262,7 @@ async def test_whole_lists_are_loaded_again_once_a_commit_changes_their_terms(
     runtime: Runtime, database_url: str
 ) -> None:
     async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
-        corpus = Corpus(random.Random(3), _vocabulary(random.Random(3), 60), chinese=0.0)
-        connection = f"kp-{uuid.uuid4().hex[:8]}"
-        await own.store.ensure_connection(connection, "folder", connection)
-        for n in range(30):
-            await _commit(own, connection, f"doc-{n}", [corpus.text(40) for _ in range(4)])
+        corpus, connection = await _english_connection(own, 3, words=60, documents=30, chunks=4, length=40)
         common = corpus.words[0]  # the Zipf head: in most chunks
         lists = TermLists(64 << 20)
         postings = ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4, whole_lists=lists, lists_from=4)
@@ -276,11 +284,7 @@ async def test_whole_lists_are_loaded_again_once_a_commit_changes_their_terms(
 
 async def test_term_lists_keep_the_most_recently_used_within_their_budget(runtime: Runtime, database_url: str) -> None:
     async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
-        corpus = Corpus(random.Random(5), _vocabulary(random.Random(5), 40), chinese=0.0)
-        connection = f"kp-{uuid.uuid4().hex[:8]}"
-        await own.store.ensure_connection(connection, "folder", connection)
-        for n in range(20):
-            await _commit(own, connection, f"doc-{n}", [corpus.text(30) for _ in range(3)])
+        await _english_connection(own, 5, words=40, documents=20, chunks=3, length=30)
         terms = await own.pool.fetch(
             "SELECT term, count(*) AS postings FROM keyword_postings GROUP BY term ORDER BY 2 DESC LIMIT 3"
         )
@@ -384,11 +388,7 @@ async def test_the_migration_backfills_an_existing_database(runtime: Runtime, da
 async def test_an_english_only_corpus_is_served_from_the_postings(runtime: Runtime, database_url: str) -> None:
     # No chunk has bigrams, so the bigram field has no reference length: English queries need none.
     async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
-        corpus = Corpus(random.Random(5), _vocabulary(random.Random(5), 150), chinese=0.0)
-        connection = f"kp-{uuid.uuid4().hex[:8]}"
-        await own.store.ensure_connection(connection, "folder", connection)
-        for n in range(30):
-            await _commit(own, connection, f"doc-{n}", [corpus.text(50) for _ in range(5)])
+        corpus, connection = await _english_connection(own, 5, words=150, documents=30, chunks=5, length=50)
         assert await own.pool.fetchval("SELECT average_bigrams FROM keyword_reference") is None
         queries = [corpus.query() for _ in range(15)]
         paths = await _compare(own.pool, queries, {"all": (SearchFilters(connection_ids=[connection]), None)})
