@@ -9,7 +9,7 @@ Why: at a million chunks a title such as "Uses of Class X (Java SE 17 & JDK 17)"
 220–475k postings each whose impacts hardly differ, and proving its exact top 30 from the
 impact-ordered index reads most of those lists (0.07 µs a posting for the index scan alone, 0.26 with
 the aggregation: 1–2 s a search). The same two million postings held as arrays sum in numpy in about
-20 ms (``ImpactOrderedPostings``, "whole lists").
+15 ms (``ImpactOrderedPostings``, "whole lists").
 
 When a list is still right: every statement that adds or removes a posting of a (field, lexeme)
 inserts, updates or deletes that lexeme's ``keyword_df`` rows in the same transaction (migration
