@@ -227,7 +227,7 @@ async def test_postings_rank_as_the_exact_scan_across_scopes_and_drift(runtime: 
         assert paths["acl"].get("exact: ACL", 0) >= 0.5 * len(queries), paths["acl"]
         # The same rankings from the terms' whole lists, loaded by the first search that reads deep
         # and then summed at once, before any round.
-        lists = TermLists(64 << 20)
+        lists = TermLists(64 << 20, reload_after_s=0)
         whole = await _compare(own.pool, queries, scopes, lists)
         for label in ("open+kb", "one connection", "platform", "skip_acl"):
             assert whole[label].get(WHOLE_LISTS, 0) >= 0.5 * len(queries), (label, whole[label])
@@ -264,7 +264,7 @@ async def test_whole_lists_are_loaded_again_once_a_commit_changes_their_terms(
     async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
         corpus, connection = await _english_connection(own, 3, words=60, documents=30, chunks=4, length=40)
         common = corpus.words[0]  # the Zipf head: in most chunks
-        lists = TermLists(64 << 20)
+        lists = TermLists(64 << 20, reload_after_s=0)
         postings = ImpactOrderedPostings(exact_below=0, min_share=0.0, first_depth=4, whole_lists=lists, lists_from=4)
         store = SearchStore(own.pool, postings=postings, **BM25)
         scope = Scope.build(SearchFilters(connection_ids=[connection]), None, first_param=3)
@@ -280,6 +280,13 @@ async def test_whole_lists_are_loaded_again_once_a_commit_changes_their_terms(
         newest = await search()
         assert lists.loaded == 2 and newest[0] not in first  # the new chunk, the best of all, is found
         assert store.keyword_paths[WHOLE_LISTS] == 3
+        # Changed again right after its load (a sync committing): the rounds answer, exactly, until
+        # the list may be loaded again.
+        lists.reload_after_s = 3600
+        await _commit(own, connection, "newer", [" ".join([common] * 30)])
+        newer = await search()
+        assert lists.loaded == 2 and store.keyword_paths["postings"] == 1
+        assert set(newer) - set(newest)  # the newer chunk is among the best
 
 
 async def test_term_lists_keep_the_most_recently_used_within_their_budget(runtime: Runtime, database_url: str) -> None:

@@ -388,7 +388,7 @@ class ImpactOrderedPostings:
             # Every chunk whose bound reaches the threshold is among the keys (the threshold only grew).
             if read_enough and row["contenders"] <= returned:
                 return PostingsAnswer("postings", await scorer.best(row["keys"], row["bounds"]))
-            if max(depths) >= self.lists_from and self._lists_fit(db, terms):
+            if max(depths) >= self.lists_from and self._lists_fit(db, terms, rescaling):
                 return PostingsAnswer(WHOLE_LISTS, await self._from_whole_lists(db, terms, rescaling, scorer))
             rests = sorted(((rest, index) for index, rest in enumerate(row["rests"]) if rest is not None), reverse=True)
             if read_enough and not rests:  # every list read to its end: score every contender
@@ -430,15 +430,22 @@ class ImpactOrderedPostings:
         if lists is None or not isinstance(db, asyncpg.Connection):
             return False
         long = [term for term in terms if term.postings > self.lists_from]
-        return bool(long) and all(lists.holds(term.key, term.version, rescaling) for term in long)
-
-    def _lists_fit(self, db: Any, terms: Sequence[_Term]) -> bool:
-        """Whether the terms' whole lists may be loaded: on a snapshot's connection (a list and its
-        version must be read in one snapshot), and within the budget."""
         return (
-            self.whole_lists is not None
+            bool(long)
+            and all(lists.holds(term.key, term.version, rescaling) for term in long)
+            and all(lists.may_load(term.key, term.version, rescaling) for term in terms)
+        )
+
+    def _lists_fit(self, db: Any, terms: Sequence[_Term], rescaling: Rescaling) -> bool:
+        """Whether the terms' whole lists may be loaded: on a snapshot's connection (a list and its
+        version must be read in one snapshot), within the budget, and none of them loaded again too
+        soon (``TermLists.reload_after_s``)."""
+        lists = self.whole_lists
+        return (
+            lists is not None
             and isinstance(db, asyncpg.Connection)
-            and TermLists.BYTES_PER_POSTING * sum(term.postings for term in terms) <= self.whole_lists.budget_bytes
+            and TermLists.BYTES_PER_POSTING * sum(term.postings for term in terms) <= lists.budget_bytes
+            and all(lists.may_load(term.key, term.version, rescaling) for term in terms)
         )
 
     async def _from_whole_lists(

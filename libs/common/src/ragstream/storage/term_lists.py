@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import monotonic
 from typing import Any
 
 import numpy as np
@@ -116,15 +117,22 @@ class TermList:
 
 
 class TermLists:
-    """Term lists in memory, each loaded once per version, least recently used evicted past the budget."""
+    """Term lists in memory, each loaded once per version, least recently used evicted past the budget.
+
+    ``reload_after_s``: a term loaded less than this long ago is not loaded again for another version;
+    its searches take the rounds meanwhile. While a sync commits, a frequent term changes with nearly
+    every commit, and loading its list for each search would cost more than the rounds it saves.
+    """
 
     BYTES_PER_POSTING = 12
 
-    def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes < 0:
-            raise ValueError("budget_bytes must not be negative")
+    def __init__(self, budget_bytes: int, *, reload_after_s: float = 10.0) -> None:
+        if budget_bytes < 0 or reload_after_s < 0:
+            raise ValueError("budget_bytes and reload_after_s must not be negative")
         self.budget_bytes = budget_bytes
+        self.reload_after_s = reload_after_s
         self._lists: OrderedDict[int, TermList] = OrderedDict()
+        self._loaded_at: dict[int, float] = {}  # per term, when its list was last loaded
         self._used = 0
         self.loaded = 0  # lists read from the database, for benchmarks and tests
 
@@ -138,6 +146,13 @@ class TermLists:
         kept = self._lists.get(term)
         return kept is not None and (kept.version, kept.rescaling) == (version, rescaling)
 
+    def may_load(self, term: int, version: tuple[int, ...], rescaling: Rescaling) -> bool:
+        """Whether ``term``'s list at ``version`` is kept or may be loaded now."""
+        if self.holds(term, version, rescaling):
+            return True
+        loaded_at = self._loaded_at.get(term)
+        return loaded_at is None or monotonic() - loaded_at >= self.reload_after_s
+
     async def get(self, connection: Any, term: int, version: tuple[int, ...], rescaling: Rescaling) -> TermList:
         """``term``'s list at ``version``: the one kept, or read on ``connection`` (the snapshot that
         read ``version``)."""
@@ -147,6 +162,7 @@ class TermLists:
             return kept
         loaded = await _load(connection, term, version, rescaling)
         self.loaded += 1
+        self._loaded_at[term] = monotonic()
         KEYWORD_LISTS_LOADED.inc()
         replaced = self._lists.pop(term, None)  # read again: another search may have loaded it meanwhile
         if replaced is not None:
