@@ -289,6 +289,23 @@ async def test_whole_lists_are_loaded_again_once_a_commit_changes_their_terms(
         assert set(newer) - set(newest)  # the newer chunk is among the best
 
 
+async def test_lists_loaded_ahead_answer_the_first_deep_search(runtime: Runtime, database_url: str) -> None:
+    async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
+        corpus, connection = await _english_connection(own, 3, words=60, documents=30, chunks=4, length=40)
+        lists = TermLists(64 << 20)
+        postings = ImpactOrderedPostings(exact_below=0, min_share=0.0, whole_lists=lists, lists_from=4)
+        store = SearchStore(own.pool, postings=postings, **BM25)
+        warmed = await store.warm_keyword_lists()
+        assert warmed > 0 and lists.loaded == warmed
+        common = corpus.words[0]  # the Zipf head: among the terms loaded ahead
+        scope = Scope.build(SearchFilters(connection_ids=[connection]), None, first_param=3)
+        async with store.snapshot() as snapshot:
+            got = await snapshot.keyword_leg([common], 5, scope, query=common)
+        assert dict(store.keyword_paths) == {WHOLE_LISTS: 1} and lists.loaded == warmed  # nothing loaded now
+        want = await SearchStore(own.pool, impact_ordered=False, **BM25).keyword_leg([common], 5, scope, query=common)
+        assert [hit.score for hit in got] == pytest.approx([hit.score for hit in want], rel=1e-9)
+
+
 async def test_term_lists_keep_the_most_recently_used_within_their_budget(runtime: Runtime, database_url: str) -> None:
     async with private_database(database_url) as dsn, open_runtime(runtime.settings, dsn) as own:
         await _english_connection(own, 5, words=40, documents=20, chunks=3, length=30)
@@ -300,7 +317,7 @@ async def test_term_lists_keep_the_most_recently_used_within_their_budget(runtim
         lists = TermLists(budget)
         async with own.pool.acquire() as connection_:
             for row in (*terms[:2], terms[0], terms[2]):  # the first used again, then a third
-                got = await lists.get(connection_, row["term"], (1,), rescaling)
+                got = await lists.get(connection_, row["term"], 0, (1,), rescaling)
                 assert len(got.keys) == row["postings"]
         assert lists.holds(terms[0]["term"], (1,), rescaling) and lists.holds(terms[2]["term"], (1,), rescaling)
         assert not lists.holds(terms[1]["term"], (1,), rescaling)  # the least recently used went
@@ -308,23 +325,28 @@ async def test_term_lists_keep_the_most_recently_used_within_their_budget(runtim
         assert lists.loaded == 3
 
 
-def test_rescaled_parts_bound_the_part_under_the_current_lengths() -> None:
+@pytest.mark.parametrize(
+    ("reference", "current"), [(120.0, 95.0), (95.0, 120.0), (300.0, 410.0), (100.0, 1000.0), (1000.0, 100.0)]
+)
+def test_rescaled_parts_bound_the_part_under_the_current_lengths(reference: float, current: float) -> None:
     k1, b = 0.4, 0.6
     rng = np.random.default_rng(4)
-    tfs = rng.integers(1, 40, 2000).astype(np.int16)
-    lengths = rng.integers(1, 3000, 2000).astype(np.float64)
-    fields = rng.integers(0, 2, 2000).astype(np.int16)
-    reference, current = np.array([120.0, 300.0]), np.array([95.0, 410.0])
+    tfs = rng.integers(1, 40, 4000)
+    lengths = rng.integers(1, 3000, 4000).astype(np.float64)
 
-    def part(averages: np.ndarray) -> np.ndarray:
-        return tfs * (k1 + 1) / (tfs + k1 * (1 - b + b * lengths / averages[fields]))
+    def part(average: float) -> np.ndarray:
+        return tfs * (k1 + 1) / (tfs + k1 * (1 - b + b * lengths / average))
 
     stored = part(reference).astype(np.float32)  # as keyword_postings holds them
-    rescaled = Rescaling(k1, b, (120.0, 300.0), (95.0, 410.0)).parts(stored, tfs, fields)
     exact = part(current)
-    assert rescaled.dtype == np.float32
-    assert np.all(rescaled * (1 + 1e-6) >= exact)  # a bound, with the search's rounding slack
-    assert np.all(rescaled <= exact * (1 + 1e-6))  # and a tight one
+    drifted = stored * max(1.0, current / reference)  # the rounds' bound of the same parts
+    for field, averages in ((0, ((reference, 1.0), (current, 1.0))), (1, ((1.0, reference), (1.0, current)))):
+        rescaled = Rescaling(k1, b, *averages).parts(stored, field)
+        assert rescaled.dtype == np.float32
+        assert np.all(rescaled * (1 + 1e-6) >= exact)  # a bound, with the search's rounding slack
+        assert np.all(rescaled <= drifted * (1 + 1e-6))  # never looser than the stored impacts' bound
+        if 0.5 < reference / current < 2:  # and a tight one for the drifts a corpus sees
+            assert float(np.median(rescaled / exact)) < 1.03
 
 
 async def test_postings_follow_edits_deletions_acls_and_concurrent_commits(runtime: Runtime, database_url: str) -> None:

@@ -26,7 +26,7 @@ from ragstream.control.scheduler import Scheduler
 from ragstream.credentials import CredentialCipher
 from ragstream.knowledge.service import KnowledgeService
 from ragstream.retrieval.with_direct import SearchWithDirect
-from ragstream.runtime import Runtime
+from ragstream.runtime import Runtime, warm_keyword_lists
 from ragstream.storage.database import DatabaseUnavailable, ping
 from ragstream.storage.embedded_postgres import EmbeddedPostgres
 from ragstream.storage.embedded_supervisor import EmbeddedSupervisor
@@ -101,7 +101,7 @@ async def serve(
             timeout_graceful_shutdown=round(settings.shutdown_timeout_s),
         )
     )
-    background = [asyncio.create_task(runner.serve())]
+    background = [asyncio.create_task(runner.serve()), asyncio.create_task(warm_keyword_lists(runtime))]
     if supervisor is not None:
         background.append(asyncio.create_task(supervisor.run()))
     if settings.scheduler_enabled:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,7 +61,10 @@ __all__ = [
     "open_database",
     "open_runtime",
     "resolve_database",
+    "warm_keyword_lists",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +199,18 @@ def create_contextualizer(settings: Settings, pool: asyncpg.Pool) -> ChunkContex
     host = (settings.dashscope_host() or DASHSCOPE_BASE_URL).rstrip("/")
     chat = ChatClient(key.get_secret_value(), settings.contextual_model, f"{host}/compatible-mode/v1", timeout_s=30.0)
     return ChunkContextualizer(chat, ChunkContextStore(pool), document_chars=settings.contextual_document_chars)
+
+
+async def warm_keyword_lists(runtime: Runtime) -> None:
+    """A retriever's start, in the background: the keyword leg's most frequent term lists loaded
+    before the first searches need them. A failure is logged; searches then load lists as they go."""
+    started = time.perf_counter()
+    try:
+        loaded = await runtime.retriever.warm_keyword_lists()
+    except Exception:
+        logger.warning("the keyword leg's term lists were not loaded ahead", exc_info=True)
+        return
+    logger.info("keyword leg: %d term lists loaded ahead in %.1f s", loaded, time.perf_counter() - started)
 
 
 def keyword_postings(settings: Settings) -> ImpactOrderedPostings:

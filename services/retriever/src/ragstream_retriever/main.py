@@ -4,6 +4,7 @@ same search and knowledge tool over gRPC on ``RAGSTREAM_GRPC_PORT``."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -18,7 +19,7 @@ from ragstream.knowledge.service import KnowledgeService
 from ragstream.logs import configure_logging
 from ragstream.retrieval.reader import DocumentReader
 from ragstream.retrieval.with_direct import SearchWithDirect
-from ragstream.runtime import Runtime, open_runtime
+from ragstream.runtime import Runtime, open_runtime, warm_keyword_lists
 from ragstream.settings import Settings
 from ragstream.storage.citations import CitationStore
 from ragstream.storage.database import ping
@@ -66,6 +67,8 @@ def create_app() -> FastAPI:
         async with AsyncExitStack() as stack:
             runtime = await stack.enter_async_context(open_runtime(settings, settings.database_url))
             await runtime.embedder.warm_up()
+            warming = asyncio.create_task(warm_keyword_lists(runtime))
+            stack.callback(warming.cancel)
             state["runtime"] = runtime
             searcher = runtime.searcher()
             searchers["searcher"] = searcher

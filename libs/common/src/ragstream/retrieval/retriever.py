@@ -135,6 +135,11 @@ class HybridRetriever:
             took_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
+    async def warm_keyword_lists(self) -> int:
+        """Load the keyword leg's most frequent term lists ahead of the first searches
+        (``SearchStore.warm_keyword_lists``); returns how many."""
+        return await self._store.warm_keyword_lists()
+
     async def plan(self, request: SearchRequest) -> Rephrasing:
         """What to search for ``request``: the rephraser's decision within its timeout, else the query
         as sent (no rephraser, the caller opted out, or it failed: the raw question is still usable)."""

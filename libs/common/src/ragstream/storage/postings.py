@@ -112,6 +112,21 @@ _FREQUENCIES = f"""
     FROM t LEFT JOIN keyword_reference r ON true
 """
 
+# The corpus's most frequent terms ($1 of them, among those with over $2 chunks in one connection and
+# index version: a scan of keyword_df's rows, not an aggregate of all of them), with the postings and
+# the versions of their whole lists (``ImpactOrderedPostings.warm``).
+_FREQUENT_TERMS = """
+    WITH frequent AS (
+        SELECT field, lexeme, sum(chunks) AS chunks FROM keyword_df WHERE chunks > $2
+        GROUP BY field, lexeme ORDER BY chunks DESC LIMIT $1)
+    SELECT q.field, keyword_term(q.field, q.lexeme) AS term,
+           (SELECT sum(f.chunks) FROM keyword_df f WHERE f.field = q.field AND f.lexeme = q.lexeme)::float8 AS postings,
+           array_to_string(ARRAY(SELECT f.xmin::text FROM keyword_df f
+                                 WHERE f.field = q.field AND f.lexeme = q.lexeme), ',') AS versions
+    FROM frequent q ORDER BY postings DESC
+"""
+_REFERENCE = "SELECT *, xmin::text::bigint AS reference_version FROM keyword_reference"
+
 # How many postings the query's terms have in the whole corpus (every connection and index
 # version): a bound of the chunks matching them. $1/$2: the query's words and raw text.
 _CORPUS_POSTINGS = f"""
@@ -351,18 +366,13 @@ class ImpactOrderedPostings:
                 row.df,
                 scale * drift[row.field],
                 scale,
-                list_version([int(row_version) for row_version in row.versions.split(",") if row_version], version),
+                _version(row.versions, version),
                 row.everywhere,
             )
             for row, scale in zip(present, scales, strict=True)
         ]
         scorer = _Scorer(db, terms, reference["lexemes"], reference["bigrams"], limit, scope, statistics)
-        rescaling = Rescaling(
-            statistics.k1,
-            statistics.b,
-            (reference["average_words"] or 0.0, reference["average_bigrams"] or 0.0),
-            (statistics.average_words, statistics.average_bigrams),
-        )
+        rescaling = _rescaling(statistics, reference)
         if self._lists_kept(db, terms, rescaling):
             return PostingsAnswer(WHOLE_LISTS, await self._from_whole_lists(db, terms, rescaling, scorer))
         depths = [self.first_depth] * len(terms)
@@ -422,6 +432,29 @@ class ImpactOrderedPostings:
             if _postings_read(depths, terms) > self.max_read_share * in_scope:
                 return PostingsAnswer("exact: too deep", None)
 
+    async def warm(self, db: Any, statistics: Bm25Statistics, share: float = 0.5) -> int:
+        """Load the whole lists of the corpus's most frequent terms (over ``lists_from`` postings)
+        into ``share`` of the budget: those the first deep searches would load. Returns how many.
+        ``db``: a snapshot's connection, ``statistics``: those the searches use, or the lists would
+        not match theirs."""
+        lists = self.whole_lists
+        if lists is None or not isinstance(db, asyncpg.Connection):
+            return 0
+        reference = await db.fetchrow(_REFERENCE)
+        if reference is None or (reference["k1"], reference["b"]) != (statistics.k1, statistics.b):
+            return 0  # no reference yet (an empty corpus), or other BM25 parameters: the exact path serves
+        rescaling = _rescaling(statistics, reference)
+        room = share * lists.budget_bytes
+        loaded = 0
+        for row in await db.fetch(_FREQUENT_TERMS, 1024, self.lists_from):
+            size = TermLists.BYTES_PER_POSTING * row["postings"]
+            if size <= room:
+                version = _version(row["versions"], reference["reference_version"])
+                await lists.get(db, row["term"], row["field"], version, rescaling)
+                room -= size
+                loaded += 1
+        return loaded
+
     def _lists_kept(self, db: Any, terms: Sequence[_Term], rescaling: Rescaling) -> bool:
         """Whether the terms' whole lists answer before any round: every long list (over
         ``lists_from`` postings) kept at the version this snapshot reads, at least one of them, and
@@ -455,7 +488,7 @@ class ImpactOrderedPostings:
         under the current lengths times the terms' idf: its score, to the rounding slack) summed at
         once, the chunks scored in bound order until the bound falls below the ``limit``-th score."""
         assert self.whole_lists is not None
-        lists = [await self.whole_lists.get(db, term.key, term.version, rescaling) for term in terms]
+        lists = [await self.whole_lists.get(db, term.key, term.field, term.version, rescaling) for term in terms]
         held = [postings for postings in lists if len(postings.keys)]
         if not held:
             return []
@@ -594,6 +627,21 @@ def _highest_first(bounds: npt.NDArray[np.float64], wanted: int) -> npt.NDArray[
         from_top = np.cumsum(counts[::-1])
         chosen = chosen[values >= edges[len(counts) - 1 - int(np.searchsorted(from_top, wanted))]]
     return chosen[np.argsort(-bounds[chosen], kind="stable")]
+
+
+def _version(row_versions: str, reference_version: int) -> tuple[int, ...]:
+    """A term's list version from its rows' comma-separated transaction ids and the reference row's."""
+    return list_version([int(version) for version in row_versions.split(",") if version], reference_version)
+
+
+def _rescaling(statistics: Bm25Statistics, reference: Any) -> Rescaling:
+    """From the impacts stored under ``reference``'s average lengths to those of ``statistics``."""
+    return Rescaling(
+        statistics.k1,
+        statistics.b,
+        (reference["average_words"] or 0.0, reference["average_bigrams"] or 0.0),
+        (statistics.average_words, statistics.average_bigrams),
+    )
 
 
 def _postings_read(depths: Sequence[int], terms: Sequence[_Term]) -> float:

@@ -490,9 +490,20 @@ class SearchStore:
     ) -> PostingsAnswer:
         """The BM25 top-k read from the impact-ordered postings (``ImpactOrderedPostings``), or the
         path of the exact scan this query and scope need."""
+        return await self._postings.top(self._db, terms, query, limit, scope, self._statistics(stats))
+
+    def _statistics(self, stats: _CorpusStats) -> Bm25Statistics:
         k1, b, bigram_weight = self._bm25
-        statistics = Bm25Statistics(k1, b, bigram_weight, stats.chunks, stats.average_words, stats.average_bigrams)
-        return await self._postings.top(self._db, terms, query, limit, scope, statistics)
+        return Bm25Statistics(k1, b, bigram_weight, stats.chunks, stats.average_words, stats.average_bigrams)
+
+    async def warm_keyword_lists(self) -> int:
+        """Load the whole term lists that the first deep keyword searches would load
+        (``ImpactOrderedPostings.warm``), in one snapshot; returns how many. For a retriever's start."""
+        if not self._impact_ordered or self._keyword_ranking != "bm25":
+            return 0
+        async with self.snapshot() as snapshot:
+            statistics = self._statistics(await snapshot._corpus_stats())
+            return await self._postings.warm(snapshot._db, statistics)
 
     async def _corpus_stats(self) -> _CorpusStats:
         """Number of chunks and average field lengths, at most ``stats_ttl_s`` old.
