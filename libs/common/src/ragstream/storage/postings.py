@@ -456,17 +456,16 @@ class ImpactOrderedPostings:
         return loaded
 
     def _lists_kept(self, db: Any, terms: Sequence[_Term], rescaling: Rescaling) -> bool:
-        """Whether the terms' whole lists answer before any round: every long list (over
-        ``lists_from`` postings) kept at the version this snapshot reads, at least one of them, and
-        the short ones loaded in about a millisecond each."""
+        """Whether the terms' whole lists answer before any round: they may be used (``_lists_fit``),
+        and every long list (over ``lists_from`` postings) is kept at the version this snapshot
+        reads, at least one of them; the short ones load in about a millisecond each."""
         lists = self.whole_lists
-        if lists is None or not isinstance(db, asyncpg.Connection):
-            return False
         long = [term for term in terms if term.postings > self.lists_from]
         return (
-            bool(long)
+            lists is not None
+            and bool(long)
             and all(lists.holds(term.key, term.version, rescaling) for term in long)
-            and all(lists.may_load(term.key, term.version, rescaling) for term in terms)
+            and self._lists_fit(db, terms, rescaling)
         )
 
     def _lists_fit(self, db: Any, terms: Sequence[_Term], rescaling: Rescaling) -> bool:

@@ -131,7 +131,7 @@ class TermLists:
         self.budget_bytes = budget_bytes
         self.reload_after_s = reload_after_s
         self._lists: OrderedDict[int, TermList] = OrderedDict()
-        self._loaded_at: dict[int, float] = {}  # per term, when its list was last loaded
+        self._loaded_at: dict[int, float] = {}  # terms loaded within reload_after_s, and when
         self._used = 0
         self.loaded = 0  # lists read from the database, for benchmarks and tests
 
@@ -158,13 +158,14 @@ class TermLists:
         """``term``'s list at ``version``: the one kept, or read on ``connection`` (the snapshot that
         read ``version``). ``field``: the term's (a posting of another lexeme under the same hash is
         then rescaled as this field's, which only adds to the bounds of chunks not holding the term)."""
-        kept = self._lists.get(term)
-        if kept is not None and (kept.version, kept.rescaling) == (version, rescaling):
+        if self.holds(term, version, rescaling):
             self._lists.move_to_end(term)
-            return kept
+            return self._lists[term]
         loaded = await _load(connection, term, field, version, rescaling)
         self.loaded += 1
-        self._loaded_at[term] = monotonic()
+        now = monotonic()
+        self._loaded_at = {key: at for key, at in self._loaded_at.items() if now - at < self.reload_after_s}
+        self._loaded_at[term] = now
         KEYWORD_LISTS_LOADED.inc()
         replaced = self._lists.pop(term, None)  # read again: another search may have loaded it meanwhile
         if replaced is not None:
